@@ -1,0 +1,65 @@
+/* Scalar definitions of the weight formats, shared by every ISA variant.
+ * They agree bit for bit with src/formats.rs (the oracle). */
+#ifndef BS_FORMATS_H
+#define BS_FORMATS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+static inline float bs_bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint32_t bs_f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* The NaN every decoder returns. */
+#define BS_NAN_BITS 0x7FC00000u
+
+/* BF16: the high half of an f32. */
+static inline float bs_bf16_to_f32(uint16_t h) { return bs_bits_f32((uint32_t)h << 16); }
+
+/* E4M3FN: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities;
+ * 0x7F / 0xFF are NaN; exponent 0 is subnormal (m * 2^-9).
+ * Placing the 7 magnitude bits at f32 bit 20 gives the value * 2^-120 exactly
+ * (also for subnormals), so one multiply by 2^120 decodes it. */
+static inline float bs_e4m3_to_f32(uint8_t b) {
+    uint32_t mag = b & 0x7Fu;
+    if (mag == 0x7Fu) return bs_bits_f32(BS_NAN_BITS);
+    float v = bs_bits_f32(mag << 20) * 0x1p120f;
+    return bs_bits_f32(bs_f32_bits(v) | ((uint32_t)(b & 0x80u) << 24));
+}
+
+/* E2M1 codes 0..15: 0 .5 1 1.5 2 3 4 6, then the same negated. */
+static const float BS_E2M1[16] = {
+    0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f,
+};
+
+/* E2M1 code of column c of a packed row: low nibble = even column. */
+static inline float bs_e2m1_at(const uint8_t *row, size_t c) {
+    uint8_t b = row[c >> 1];
+    return BS_E2M1[(c & 1) ? (b >> 4) : (b & 0xF)];
+}
+
+/* UE8M0 scale: 2^(b-127); 0xFF is NaN; b = 0 is the subnormal 2^-127. */
+static inline float bs_e8m0_to_f32(uint8_t b) {
+    if (b == 0xFF) return bs_bits_f32(BS_NAN_BITS);
+    if (b == 0) return bs_bits_f32(0x00400000u);
+    return bs_bits_f32((uint32_t)b << 23);
+}
+
+/* Element c of a row, per format (used for lane tails). */
+static inline float bs_w1_f32(const void *row, size_t c) { return ((const float *)row)[c]; }
+static inline float bs_w1_bf16(const void *row, size_t c) { return bs_bf16_to_f32(((const uint16_t *)row)[c]); }
+static inline float bs_w1_e4m3(const void *row, size_t c) { return bs_e4m3_to_f32(((const uint8_t *)row)[c]); }
+static inline float bs_w1_e2m1(const void *row, size_t c) { return bs_e2m1_at((const uint8_t *)row, c); }
+
+#endif

@@ -1,0 +1,357 @@
+//! Kernel generation, run by build.rs (this file is compiled only into the
+//! build script, next to src/plan): read the inputs, plan, render the tera
+//! templates into OUT_DIR, compile each ISA variant with its own flags into one
+//! static library, run bindgen on the generated header, and write the Rust
+//! dispatch table and the plan the binary embeds.
+
+use crate::plan::{self, Format, Isa, MatShape, Op, Plan, Tile, FORMATS};
+use serde::Serialize;
+use std::env;
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// Models planned for when BESPOKE_MODEL is not set: the bundled tiny fixture
+/// and DeepSeek V4 Flash's config (shapes only), so the default build and
+/// `cargo bench` cover the shapes this toolkit exists for.
+pub const DEFAULT_MODELS: &str = "fixtures/tiny-llama,fixtures/configs/deepseek-v4-flash.json";
+
+type BuildResult<T> = Result<T, String>;
+
+fn env_opt(name: &str) -> Option<String> {
+    println!("cargo:rerun-if-env-changed={name}");
+    env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+fn expand_home(s: &str) -> PathBuf {
+    if let Some(rest) = s.strip_prefix("~/") {
+        if let Some(home) = env::var_os("HOME") {
+            return PathBuf::from(home).join(rest);
+        }
+    }
+    PathBuf::from(s)
+}
+
+/// ISA variants to compile for this target and feature set.
+fn isas_for_target(arch: &str) -> Vec<Isa> {
+    let feature = |f: &str| env::var_os(format!("CARGO_FEATURE_{}", f.to_uppercase())).is_some();
+    let mut isas = vec![Isa::Scalar];
+    match arch {
+        "x86_64" => {
+            if feature("avx2") {
+                isas.push(Isa::Avx2);
+            }
+            if feature("avx512") {
+                isas.push(Isa::Avx512);
+            }
+        }
+        "aarch64" => {
+            if feature("neon") {
+                isas.push(Isa::Neon);
+            }
+        }
+        _ => {}
+    }
+    isas
+}
+
+#[derive(Serialize)]
+struct ShapeCtx {
+    rows: usize,
+    cols: usize,
+    matvec: String,
+    matmul: String,
+}
+
+#[derive(Serialize)]
+struct FmtCtx {
+    name: &'static str,
+    dec: &'static str,
+    block_cols: usize,
+    block_rows: usize,
+}
+
+fn fmt_ctx(f: Format) -> FmtCtx {
+    let dec = match f {
+        Format::F32 => "f32",
+        Format::Bf16 => "bf16",
+        Format::Fp8 => "e4m3",
+        Format::Fp4 => "e2m1",
+    };
+    FmtCtx { name: f.name(), dec, block_cols: f.block_cols(), block_rows: f.block_rows() }
+}
+
+#[derive(Serialize)]
+struct FnDecl {
+    op: &'static str,
+    symbol: String,
+}
+
+#[derive(Serialize)]
+struct AttnCtx {
+    head_dim: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    symbol: String,
+}
+
+/// Every input of the build, declared to cargo.
+fn declare_inputs(root: &Path) -> BuildResult<()> {
+    for dir in ["templates", "kernels", "src/plan"] {
+        println!("cargo:rerun-if-changed={}", root.join(dir).display());
+        let entries = fs::read_dir(root.join(dir)).map_err(|e| format!("{dir}: {e}"))?;
+        for e in entries.flatten() {
+            println!("cargo:rerun-if-changed={}", e.path().display());
+        }
+    }
+    println!("cargo:rerun-if-changed={}", root.join("src/codegen.rs").display());
+    Ok(())
+}
+
+fn load_models(root: &Path) -> BuildResult<Vec<plan::ModelConfig>> {
+    let spec = env_opt("BESPOKE_MODEL").unwrap_or_else(|| DEFAULT_MODELS.to_string());
+    let mut models = Vec::new();
+    for entry in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let mut path = expand_home(entry);
+        if path.is_relative() {
+            path = root.join(path);
+        }
+        let cfg_path = plan::config_path(&path);
+        println!("cargo:rerun-if-changed={}", cfg_path.display());
+        let cfg = plan::load_config(&path).map_err(|e| format!("BESPOKE_MODEL entry {entry:?}: {e}"))?;
+        models.push(cfg);
+    }
+    if models.is_empty() {
+        return Err("BESPOKE_MODEL is set but names no model directory or config.json".into());
+    }
+    Ok(models)
+}
+
+fn tiles(isa: Isa, f: Format) -> Vec<Tile> {
+    let mv = isa.tile(Op::Matvec, f);
+    let mm = isa.tile(Op::Matmul, f);
+    let mut v: Vec<Tile> = Vec::new();
+    for t in [
+        Tile { rows: 1, cols: 1 },
+        Tile { rows: mv.rows, cols: 1 },
+        Tile { rows: mm.rows, cols: 1 },
+        Tile { rows: 1, cols: mm.cols },
+        mm,
+    ] {
+        if !v.contains(&t) {
+            v.push(t);
+        }
+    }
+    v
+}
+
+pub fn build() -> BuildResult<()> {
+    let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR").map_err(|e| e.to_string())?);
+    let out = PathBuf::from(env::var("OUT_DIR").map_err(|e| e.to_string())?);
+    let arch = env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
+    let target = env::var("TARGET").unwrap_or_default();
+    declare_inputs(&root)?;
+    let models = load_models(&root)?;
+    let isas = isas_for_target(&arch);
+    let mut the_plan: Plan = plan::plan(&models, isas.clone(), &target).map_err(|e| e.to_string())?;
+    if env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        let note = "feature `cuda` is on, but the CUDA backend is not in this version yet: \
+                    the binary runs on the CPU and says so";
+        println!("cargo:warning={note}");
+        the_plan.notes.push(note.into());
+    }
+
+    // Render.
+    let gen = out.join("kernels");
+    fs::create_dir_all(&gen).map_err(|e| format!("{}: {e}", gen.display()))?;
+    let mut tera = tera::Tera::default();
+    for name in ["matmul.c.tera", "attn.c.tera", "header.h.tera"] {
+        let path = root.join("templates").join(name);
+        let text = fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        tera.add_raw_template(name, &text).map_err(|e| format!("templates/{name}: {}", tera_err(&e)))?;
+    }
+    let render = |name: &str, ctx: &tera::Context| -> BuildResult<String> {
+        tera.render(name, ctx).map_err(|e| format!("rendering templates/{name}: {}", tera_err(&e)))
+    };
+
+    let mut mat_fns = Vec::new();
+    let mut attn_fns = Vec::new();
+    let mut sources: Vec<(Isa, PathBuf)> = Vec::new();
+    let mut table = String::new();
+    writeln!(table, "// Dispatch table of the kernels this build compiled (generated by build.rs).").unwrap();
+    writeln!(table, "pub static MAT_KERNELS: &[MatKernel] = &[").unwrap();
+    for &isa in &isas {
+        let desc = isa.desc();
+        for f in FORMATS {
+            let shapes: Vec<&MatShape> = the_plan.mat_shapes.iter().filter(|s| s.format == f).collect();
+            let mut ctx = tera::Context::new();
+            ctx.insert("isa", &desc);
+            ctx.insert("fmt", &fmt_ctx(f));
+            ctx.insert("mv", &isa.tile(Op::Matvec, f));
+            ctx.insert("mm", &isa.tile(Op::Matmul, f));
+            ctx.insert("tiles", &tiles(isa, f));
+            let generic = ShapeCtx {
+                rows: 0,
+                cols: 0,
+                matvec: plan::mat_symbol(Op::Matvec, f, isa, None),
+                matmul: plan::mat_symbol(Op::Matmul, f, isa, None),
+            };
+            let shape_ctx: Vec<ShapeCtx> = shapes
+                .iter()
+                .map(|s| ShapeCtx {
+                    rows: s.rows,
+                    cols: s.cols,
+                    matvec: plan::mat_symbol(Op::Matvec, f, isa, Some(s)),
+                    matmul: plan::mat_symbol(Op::Matmul, f, isa, Some(s)),
+                })
+                .collect();
+            for s in std::iter::once(&generic).chain(shape_ctx.iter()) {
+                mat_fns.push(FnDecl { op: "matvec", symbol: s.matvec.clone() });
+                mat_fns.push(FnDecl { op: "matmul", symbol: s.matmul.clone() });
+                let shape = if s.rows == 0 { "None".to_string() } else { format!("Some(({}, {}))", s.rows, s.cols) };
+                writeln!(
+                    table,
+                    "    MatKernel {{ isa: Isa::{isa:?}, format: Format::{f:?}, shape: {shape}, matvec: ffi::{}, matmul: ffi::{} }},",
+                    s.matvec, s.matmul
+                )
+                .unwrap();
+            }
+            ctx.insert("generic", &generic);
+            ctx.insert("shapes", &shape_ctx);
+            let path = gen.join(format!("mat_{}_{}.c", f.name(), isa.name()));
+            write_if_changed(&path, &render("matmul.c.tera", &ctx)?)?;
+            sources.push((isa, path));
+        }
+    }
+    writeln!(table, "];\n\npub static ATTN_KERNELS: &[AttnKernel] = &[").unwrap();
+    for &isa in &isas {
+        let generic = plan::attn_symbol(isa, None);
+        let shapes: Vec<AttnCtx> = the_plan
+            .attn_shapes
+            .iter()
+            .map(|s| AttnCtx { head_dim: s.head_dim, n_heads: s.n_heads, n_kv_heads: s.n_kv_heads, symbol: plan::attn_symbol(isa, Some(s)) })
+            .collect();
+        writeln!(table, "    AttnKernel {{ isa: Isa::{isa:?}, shape: None, f: ffi::{generic} }},").unwrap();
+        for s in &shapes {
+            writeln!(
+                table,
+                "    AttnKernel {{ isa: Isa::{isa:?}, shape: Some(AttnShape {{ head_dim: {}, n_heads: {}, n_kv_heads: {} }}), f: ffi::{} }},",
+                s.head_dim, s.n_heads, s.n_kv_heads, s.symbol
+            )
+            .unwrap();
+            attn_fns.push(FnDecl { op: "attn_decode", symbol: s.symbol.clone() });
+        }
+        attn_fns.push(FnDecl { op: "attn_decode", symbol: generic.clone() });
+        let mut ctx = tera::Context::new();
+        ctx.insert("isa", &isa.desc());
+        ctx.insert("generic", &generic);
+        ctx.insert("shapes", &shapes);
+        let path = gen.join(format!("attn_{}.c", isa.name()));
+        write_if_changed(&path, &render("attn.c.tera", &ctx)?)?;
+        sources.push((isa, path));
+    }
+    writeln!(table, "];").unwrap();
+    writeln!(table, "\npub static COMPILED_ISAS: &[Isa] = &[{}];", isas.iter().map(|i| format!("Isa::{i:?}")).collect::<Vec<_>>().join(", ")).unwrap();
+
+    let mut hctx = tera::Context::new();
+    hctx.insert("mat_fns", &mat_fns);
+    hctx.insert("attn_fns", &attn_fns);
+    let header = gen.join("bespoke_kernels.h");
+    write_if_changed(&header, &render("header.h.tera", &hctx)?)?;
+
+    compile(&root, &gen, &sources)?;
+    bind(&header, &out)?;
+    write_if_changed(&out.join("dispatch_table.rs"), &table)?;
+    let plan_json = serde_json::to_string_pretty(&the_plan).map_err(|e| e.to_string())?;
+    write_if_changed(&out.join("plan.json"), &plan_json)?;
+    Ok(())
+}
+
+fn tera_err(e: &tera::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        msg += &format!(": {s}");
+        src = s.source();
+    }
+    msg
+}
+
+/// Write only when the content differs, so unchanged kernels are not recompiled.
+fn write_if_changed(path: &Path, text: &str) -> BuildResult<()> {
+    if fs::read_to_string(path).map(|old| old == text).unwrap_or(false) {
+        return Ok(());
+    }
+    fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Compile each ISA's sources with its own flags, then archive all objects
+/// into the one static library `bespoke_kernels`.
+fn compile(root: &Path, gen: &Path, sources: &[(Isa, PathBuf)]) -> BuildResult<()> {
+    let sanitize = env_opt("BESPOKE_SANITIZE");
+    let werror = env_opt("BESPOKE_WERROR").is_some();
+    let mut objects = Vec::new();
+    let isas: Vec<Isa> = {
+        let mut v: Vec<Isa> = sources.iter().map(|(i, _)| *i).collect();
+        v.dedup();
+        v
+    };
+    for isa in isas {
+        let mut b = cc::Build::new();
+        b.include(root.join("kernels"))
+            .include(gen)
+            .opt_level(3)
+            .debug(false)
+            .warnings(true)
+            .extra_warnings(true)
+            .warnings_into_errors(werror)
+            .flag("-std=c11")
+            // The kernels' results are defined by an explicit operation order:
+            // no contraction of a*b+c into FMA behind our back, no fast-math.
+            .flag("-ffp-contract=off")
+            .flag("-fno-fast-math");
+        for f in isa.desc().cflags {
+            b.flag(f);
+        }
+        if let Some(s) = &sanitize {
+            b.flag(&format!("-fsanitize={s}")).flag("-fno-sanitize-recover=all").flag("-fno-omit-frame-pointer");
+        }
+        for (i, path) in sources {
+            if *i == isa {
+                b.file(path);
+            }
+        }
+        objects.extend(b.try_compile_intermediates().map_err(|e| format!("compiling the {isa} kernels: {e}"))?);
+    }
+    let mut lib = cc::Build::new();
+    lib.objects(objects);
+    lib.try_compile("bespoke_kernels").map_err(|e| format!("archiving the kernels: {e}"))?;
+    if let Some(s) = &sanitize {
+        for part in s.split(',') {
+            match part.trim() {
+                "address" => println!("cargo:rustc-link-lib=dylib=asan"),
+                "undefined" => println!("cargo:rustc-link-lib=dylib=ubsan"),
+                other => return Err(format!("BESPOKE_SANITIZE: unsupported sanitizer {other:?} (use address and/or undefined)")),
+            }
+        }
+    }
+    // fmaf / rintf for the scalar variant.
+    println!("cargo:rustc-link-lib=m");
+    Ok(())
+}
+
+fn bind(header: &Path, out: &Path) -> BuildResult<()> {
+    let bindings = bindgen::Builder::default()
+        .header(header.display().to_string())
+        .allowlist_function("bs_.*")
+        .layout_tests(false)
+        .generate()
+        .map_err(|e| {
+            format!(
+                "bindgen on {}: {e} (bindgen needs libclang: on Debian/Ubuntu `apt-get install libclang-dev`)",
+                header.display()
+            )
+        })?;
+    let text = bindings.to_string();
+    write_if_changed(&out.join("bindings.rs"), &text)
+}

@@ -1,0 +1,462 @@
+//! The generated kernels: FFI declarations (bindgen), the dispatch table
+//! (build.rs), and safe wrappers that check every length and shape before
+//! calling C, split rows across threads, and pick specialised or generic.
+
+use crate::plan::{AttnShape, Format, Isa};
+use std::ffi::c_void;
+use std::fmt;
+use std::sync::OnceLock;
+
+#[allow(non_upper_case_globals, non_camel_case_types, non_snake_case, dead_code, clippy::all)]
+mod ffi {
+    include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
+}
+
+pub type MatvecFn = unsafe extern "C" fn(*const c_void, *const u8, *const f32, *mut f32, usize, usize, usize, usize);
+pub type MatmulFn = unsafe extern "C" fn(*const c_void, *const u8, *const f32, *mut f32, usize, usize, usize, usize, usize);
+pub type AttnFn = unsafe extern "C" fn(
+    *const f32,
+    *const f32,
+    *const f32,
+    *const f32,
+    *mut f32,
+    *mut f32,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    f32,
+    usize,
+    usize,
+);
+
+/// A compiled matrix kernel pair (matvec + matmul) for one ISA and format,
+/// specialised on `shape` = (rows, cols) or generic.
+pub struct MatKernel {
+    pub isa: Isa,
+    pub format: Format,
+    pub shape: Option<(usize, usize)>,
+    pub matvec: MatvecFn,
+    pub matmul: MatmulFn,
+}
+
+/// A compiled attention-decode kernel.
+pub struct AttnKernel {
+    pub isa: Isa,
+    pub shape: Option<AttnShape>,
+    pub f: AttnFn,
+}
+
+include!(concat!(env!("OUT_DIR"), "/dispatch_table.rs"));
+
+/// The plan build.rs used, as JSON.
+pub const BUILD_PLAN_JSON: &str = include_str!(concat!(env!("OUT_DIR"), "/plan.json"));
+
+/// Errors from the kernel layer: always say what was expected.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum KernelError {
+    #[error("{what}: expected {expected} elements, found {found}")]
+    Length { what: String, expected: usize, found: usize },
+    #[error("{0}")]
+    Shape(String),
+    #[error("BESPOKE_KERNELS={0:?} is not a kernel variant; expected one of: scalar, avx2, avx512, neon (or auto)")]
+    UnknownVariant(String),
+    #[error("the {isa} kernels were not compiled into this binary (compiled: {compiled}); rebuild with the `{isa}` feature on a target that has it")]
+    NotCompiled { isa: Isa, compiled: String },
+    #[error("this CPU lacks {missing} needed by the {isa} kernels; the variants this CPU can run: {runnable}")]
+    CpuLacks { isa: Isa, missing: String, runnable: String },
+}
+
+/// Weight data of a matrix, in one of the kernel formats.
+#[derive(Clone, Copy)]
+pub enum Weights<'a> {
+    F32(&'a [f32]),
+    /// BF16 bit patterns.
+    Bf16(&'a [u16]),
+    /// E4M3FN codes [rows, cols] and UE8M0 scales [ceil(rows/128), ceil(cols/128)].
+    Fp8 { w: &'a [u8], scale: &'a [u8] },
+    /// Packed E2M1 codes [rows, cols/2] (low nibble = even column) and UE8M0 scales [rows, cols/32].
+    Fp4 { w: &'a [u8], scale: &'a [u8] },
+}
+
+/// A weight matrix whose buffers have been checked against its shape.
+#[derive(Clone, Copy)]
+pub struct Matrix<'a> {
+    rows: usize,
+    cols: usize,
+    weights: Weights<'a>,
+}
+
+fn check_len(what: &str, expected: usize, found: usize) -> Result<(), KernelError> {
+    if expected != found {
+        return Err(KernelError::Length { what: what.into(), expected, found });
+    }
+    Ok(())
+}
+
+impl<'a> Matrix<'a> {
+    /// Check the buffers against [rows, cols] in the format's layout.
+    pub fn new(rows: usize, cols: usize, weights: Weights<'a>) -> Result<Self, KernelError> {
+        let format = match weights {
+            Weights::F32(_) => Format::F32,
+            Weights::Bf16(_) => Format::Bf16,
+            Weights::Fp8 { .. } => Format::Fp8,
+            Weights::Fp4 { .. } => Format::Fp4,
+        };
+        if let Some(p) = format.shape_problem(rows, cols) {
+            return Err(KernelError::Shape(p));
+        }
+        let n = rows.checked_mul(cols).ok_or_else(|| KernelError::Shape(format!("{rows}×{cols} overflows")))?;
+        match weights {
+            Weights::F32(w) => check_len("f32 weights", n, w.len())?,
+            Weights::Bf16(w) => check_len("bf16 weights", n, w.len())?,
+            Weights::Fp8 { w, scale } => {
+                check_len("fp8 weights", n, w.len())?;
+                let (sr, sc) = format.scale_shape(rows, cols).unwrap_or((0, 0));
+                check_len(&format!("fp8 scales [{sr}, {sc}]"), sr * sc, scale.len())?;
+            }
+            Weights::Fp4 { w, scale } => {
+                check_len("fp4 packed weights (two per byte)", n / 2, w.len())?;
+                let (sr, sc) = format.scale_shape(rows, cols).unwrap_or((0, 0));
+                check_len(&format!("fp4 scales [{sr}, {sc}]"), sr * sc, scale.len())?;
+            }
+        }
+        Ok(Matrix { rows, cols, weights })
+    }
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    pub fn weights(&self) -> Weights<'a> {
+        self.weights
+    }
+    pub fn format(&self) -> Format {
+        match self.weights {
+            Weights::F32(_) => Format::F32,
+            Weights::Bf16(_) => Format::Bf16,
+            Weights::Fp8 { .. } => Format::Fp8,
+            Weights::Fp4 { .. } => Format::Fp4,
+        }
+    }
+    /// Bytes of weights and scales.
+    pub fn bytes(&self) -> usize {
+        match self.weights {
+            Weights::F32(w) => w.len() * 4,
+            Weights::Bf16(w) => w.len() * 2,
+            Weights::Fp8 { w, scale } | Weights::Fp4 { w, scale } => w.len() + scale.len(),
+        }
+    }
+    fn ptrs(&self) -> (*const c_void, *const u8) {
+        match self.weights {
+            Weights::F32(w) => (w.as_ptr().cast(), std::ptr::null()),
+            Weights::Bf16(w) => (w.as_ptr().cast(), std::ptr::null()),
+            Weights::Fp8 { w, scale } | Weights::Fp4 { w, scale } => (w.as_ptr().cast(), scale.as_ptr()),
+        }
+    }
+}
+
+/// Raw pointers handed to worker threads. Each worker writes a disjoint
+/// range of output rows, so sharing them is sound.
+#[derive(Clone, Copy)]
+struct SendPtr<T>(T);
+// SAFETY: only used to pass buffers to rayon workers that touch disjoint
+// output rows (or heads) and read shared inputs; the borrow of the originals
+// outlives the parallel section (rayon joins before returning).
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
+
+/// Split 0..n into about `parts` ranges whose length is a multiple of `align`.
+fn split(n: usize, parts: usize, align: usize) -> Vec<(usize, usize)> {
+    let chunk = n.div_ceil(parts.max(1)).div_ceil(align).max(1) * align;
+    (0..n).step_by(chunk).map(|s| (s, (s + chunk).min(n))).collect()
+}
+
+/// Below this many weight elements per call, threads cost more than they save.
+const PARALLEL_MIN_ELEMS: usize = 1 << 15;
+
+/// Arguments of one attention-decode call.
+pub struct AttnArgs<'a> {
+    /// Query [n_heads, head_dim].
+    pub q: &'a [f32],
+    /// Keys: position t, KV head g at t * kv_stride + g * head_dim.
+    pub k: &'a [f32],
+    /// Values, same layout as the keys (may be the same buffer).
+    pub v: &'a [f32],
+    /// Per-head sink logits [n_heads] that join the softmax denominator.
+    pub sinks: Option<&'a [f32]>,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub kv_stride: usize,
+    /// Positions in the cache (the query attends to 0..t_len, or the last `window`).
+    pub t_len: usize,
+    /// Sliding window (0 = none).
+    pub window: usize,
+    pub scale: f32,
+}
+
+/// A chosen kernel variant: every call goes to this ISA's kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kernels {
+    isa: Isa,
+}
+
+/// Why a variant was chosen (for `bespoke plan` and the run banner).
+#[derive(Debug, Clone)]
+pub struct Choice {
+    pub kernels: Kernels,
+    pub reason: String,
+}
+
+fn compiled_list() -> String {
+    COMPILED_ISAS.iter().map(|i| i.name()).collect::<Vec<_>>().join(", ")
+}
+
+impl Kernels {
+    /// Kernels of `isa`, if compiled in and supported by this CPU.
+    pub fn with_isa(isa: Isa) -> Result<Kernels, KernelError> {
+        if !COMPILED_ISAS.contains(&isa) {
+            return Err(KernelError::NotCompiled { isa, compiled: compiled_list() });
+        }
+        let missing = crate::cpu::missing_features(isa);
+        if !missing.is_empty() {
+            let runnable: Vec<&str> =
+                COMPILED_ISAS.iter().filter(|i| crate::cpu::missing_features(**i).is_empty()).map(|i| i.name()).collect();
+            return Err(KernelError::CpuLacks { isa, missing: missing.join(", "), runnable: runnable.join(", ") });
+        }
+        Ok(Kernels { isa })
+    }
+
+    /// The best compiled variant this CPU supports.
+    pub fn best() -> Kernels {
+        let isa = COMPILED_ISAS
+            .iter()
+            .copied()
+            .filter(|i| crate::cpu::missing_features(*i).is_empty())
+            .max_by_key(|i| i.desc().score)
+            .unwrap_or(Isa::Scalar);
+        Kernels { isa }
+    }
+
+    /// Choose from a BESPOKE_KERNELS value (None / "" / "auto" = best).
+    pub fn choose(request: Option<&str>) -> Result<Choice, KernelError> {
+        match request.map(str::trim).filter(|s| !s.is_empty() && *s != "auto") {
+            None => {
+                let k = Kernels::best();
+                let reason = format!(
+                    "best of the compiled variants ({}) that this CPU supports (highest score wins)",
+                    compiled_list()
+                );
+                Ok(Choice { kernels: k, reason })
+            }
+            Some(name) => {
+                let isa = Isa::parse(name).ok_or_else(|| KernelError::UnknownVariant(name.into()))?;
+                let k = Kernels::with_isa(isa)?;
+                Ok(Choice { kernels: k, reason: format!("forced by BESPOKE_KERNELS={name}") })
+            }
+        }
+    }
+
+    /// The process-wide choice from BESPOKE_KERNELS, made once.
+    pub fn from_env() -> Result<Choice, KernelError> {
+        static CHOICE: OnceLock<Result<Choice, KernelError>> = OnceLock::new();
+        CHOICE.get_or_init(|| Kernels::choose(std::env::var("BESPOKE_KERNELS").ok().as_deref())).clone()
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// The kernel for a matrix: specialised on its shape when the build made
+    /// one, else generic.
+    pub fn mat_kernel(&self, format: Format, rows: usize, cols: usize) -> &'static MatKernel {
+        self.mat_kernel_specialised(format, rows, cols).unwrap_or_else(|| self.mat_kernel_generic(format))
+    }
+
+    pub fn mat_kernel_specialised(&self, format: Format, rows: usize, cols: usize) -> Option<&'static MatKernel> {
+        MAT_KERNELS.iter().find(|k| k.isa == self.isa && k.format == format && k.shape == Some((rows, cols)))
+    }
+
+    pub fn mat_kernel_generic(&self, format: Format) -> &'static MatKernel {
+        MAT_KERNELS
+            .iter()
+            .find(|k| k.isa == self.isa && k.format == format && k.shape.is_none())
+            .expect("build.rs emits a generic kernel for every compiled ISA and format")
+    }
+
+    pub fn attn_kernel(&self, shape: AttnShape) -> &'static AttnKernel {
+        ATTN_KERNELS
+            .iter()
+            .find(|k| k.isa == self.isa && k.shape == Some(shape))
+            .or_else(|| ATTN_KERNELS.iter().find(|k| k.isa == self.isa && k.shape.is_none()))
+            .expect("build.rs emits a generic attention kernel for every compiled ISA")
+    }
+
+    /// y = W x.
+    pub fn matvec(&self, m: &Matrix, x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
+        self.matvec_with(self.mat_kernel(m.format(), m.rows, m.cols), m, x, y)
+    }
+
+    /// Y[n][rows] = W X[n][cols], X and Y row-major by token.
+    pub fn matmul(&self, m: &Matrix, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), KernelError> {
+        self.matmul_with(self.mat_kernel(m.format(), m.rows, m.cols), m, x, n, y)
+    }
+
+    fn check_kernel(&self, k: &MatKernel, m: &Matrix) -> Result<(), KernelError> {
+        if k.isa != self.isa || k.format != m.format() {
+            return Err(KernelError::Shape(format!(
+                "kernel for {} {} used on a {} matrix with the {} variant",
+                k.isa,
+                k.format,
+                m.format(),
+                self.isa
+            )));
+        }
+        if let Some((r, c)) = k.shape {
+            if (r, c) != (m.rows, m.cols) {
+                return Err(KernelError::Shape(format!(
+                    "kernel specialised for {r}×{c} used on a {}×{} matrix",
+                    m.rows, m.cols
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// y = W x with a given kernel (for benchmarks: specialised vs generic).
+    pub fn matvec_with(&self, k: &MatKernel, m: &Matrix, x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
+        self.check_kernel(k, m)?;
+        check_len("matvec input x", m.cols, x.len())?;
+        check_len("matvec output y", m.rows, y.len())?;
+        let (w, s) = m.ptrs();
+        let (w, s, xp, yp) = (SendPtr(w), SendPtr(s), SendPtr(x.as_ptr()), SendPtr(y.as_mut_ptr()));
+        let f = k.matvec;
+        let (rows, cols) = (m.rows, m.cols);
+        let run = move |r0: usize, r1: usize| {
+            let (w, s, xp, yp) = (w, s, xp, yp);
+            // SAFETY: Matrix::new checked the weight and scale lengths for
+            // rows×cols in this format; x has cols and y rows elements (checked
+            // above); 0 <= r0 <= r1 <= rows; a specialised kernel is only used
+            // on its own shape (check_kernel). Concurrent calls write disjoint
+            // rows r0..r1 of y.
+            unsafe { f(w.0, s.0, xp.0, yp.0, rows, cols, r0, r1) }
+        };
+        self.par_rows(rows, rows * cols, run);
+        Ok(())
+    }
+
+    /// Y = W X with a given kernel.
+    pub fn matmul_with(&self, k: &MatKernel, m: &Matrix, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), KernelError> {
+        self.check_kernel(k, m)?;
+        let xn = n.checked_mul(m.cols).ok_or_else(|| KernelError::Shape("n × cols overflows".into()))?;
+        let yn = n.checked_mul(m.rows).ok_or_else(|| KernelError::Shape("n × rows overflows".into()))?;
+        check_len(&format!("matmul input X [{n}, {}]", m.cols), xn, x.len())?;
+        check_len(&format!("matmul output Y [{n}, {}]", m.rows), yn, y.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (w, s) = m.ptrs();
+        let (w, s, xp, yp) = (SendPtr(w), SendPtr(s), SendPtr(x.as_ptr()), SendPtr(y.as_mut_ptr()));
+        let f = k.matmul;
+        let (rows, cols) = (m.rows, m.cols);
+        let run = move |r0: usize, r1: usize| {
+            let (w, s, xp, yp) = (w, s, xp, yp);
+            // SAFETY: as in matvec_with; X has n×cols and Y n×rows elements, and
+            // concurrent calls write disjoint rows r0..r1 of every token's output.
+            unsafe { f(w.0, s.0, xp.0, yp.0, rows, cols, n, r0, r1) }
+        };
+        self.par_rows(rows, rows * cols * n, run);
+        Ok(())
+    }
+
+    /// Run `f` over row ranges covering 0..rows, in parallel when worth it.
+    fn par_rows(&self, rows: usize, work: usize, f: impl Fn(usize, usize) + Sync + Send + Copy) {
+        let threads = rayon::current_num_threads();
+        if threads <= 1 || work < PARALLEL_MIN_ELEMS || rows < 32 {
+            f(0, rows);
+            return;
+        }
+        let ranges = split(rows, threads * 4, 16);
+        use rayon::prelude::*;
+        ranges.into_par_iter().for_each(|(r0, r1)| f(r0, r1));
+    }
+
+    /// Attention for one query position; `out` is [n_heads, head_dim].
+    pub fn attn_decode(&self, a: &AttnArgs, out: &mut [f32]) -> Result<(), KernelError> {
+        let shape = AttnShape { head_dim: a.head_dim, n_heads: a.n_heads, n_kv_heads: a.n_kv_heads };
+        self.attn_decode_with(self.attn_kernel(shape), a, out)
+    }
+
+    pub fn attn_decode_with(&self, k: &AttnKernel, a: &AttnArgs, out: &mut [f32]) -> Result<(), KernelError> {
+        let shape = AttnShape { head_dim: a.head_dim, n_heads: a.n_heads, n_kv_heads: a.n_kv_heads };
+        if k.isa != self.isa || k.shape.is_some_and(|s| s != shape) {
+            return Err(KernelError::Shape(format!("attention kernel {:?} used for {shape:?}", k.shape)));
+        }
+        if a.n_heads == 0 || a.n_kv_heads == 0 || a.head_dim == 0 || a.n_heads % a.n_kv_heads != 0 {
+            return Err(KernelError::Shape(format!(
+                "attention needs n_heads a positive multiple of n_kv_heads and head_dim > 0, found {} heads, {} KV heads, head_dim {}",
+                a.n_heads, a.n_kv_heads, a.head_dim
+            )));
+        }
+        if a.t_len == 0 {
+            return Err(KernelError::Shape("attention over an empty KV cache (t_len = 0)".into()));
+        }
+        if a.kv_stride < a.n_kv_heads * a.head_dim {
+            return Err(KernelError::Shape(format!(
+                "kv_stride {} is smaller than one position's {} KV heads × head_dim {}",
+                a.kv_stride, a.n_kv_heads, a.head_dim
+            )));
+        }
+        check_len("attention query [n_heads, head_dim]", a.n_heads * a.head_dim, a.q.len())?;
+        check_len("attention output [n_heads, head_dim]", a.n_heads * a.head_dim, out.len())?;
+        let kv_needed = (a.t_len - 1) * a.kv_stride + a.n_kv_heads * a.head_dim;
+        for (what, buf) in [("keys", a.k), ("values", a.v)] {
+            if buf.len() < kv_needed {
+                return Err(KernelError::Length {
+                    what: format!("attention {what} (at least, for {} positions)", a.t_len),
+                    expected: kv_needed,
+                    found: buf.len(),
+                });
+            }
+        }
+        if let Some(s) = a.sinks {
+            check_len("attention sinks [n_heads]", a.n_heads, s.len())?;
+        }
+        let scratch_len = a.t_len.div_ceil(16) * 16;
+        let f = k.f;
+        let (q, kp, vp) = (SendPtr(a.q.as_ptr()), SendPtr(a.k.as_ptr()), SendPtr(a.v.as_ptr()));
+        let sp = SendPtr(a.sinks.map(|s| s.as_ptr()).unwrap_or(std::ptr::null()));
+        let op = SendPtr(out.as_mut_ptr());
+        let (nh, nkv, hd, stride, t_len, window, scale) =
+            (a.n_heads, a.n_kv_heads, a.head_dim, a.kv_stride, a.t_len, a.window, a.scale);
+        let run = move |h0: usize, h1: usize| {
+            let (q, kp, vp, sp, op) = (q, kp, vp, sp, op);
+            let mut scratch = vec![0f32; scratch_len];
+            // SAFETY: q and out hold n_heads×head_dim floats, k and v at least
+            // (t_len-1)×kv_stride + n_kv_heads×head_dim, sinks n_heads or null
+            // (all checked above); scratch holds t_len rounded up to 16.
+            // Concurrent calls write disjoint heads h0..h1 of out.
+            unsafe {
+                f(q.0, kp.0, vp.0, sp.0, op.0, scratch.as_mut_ptr(), nh, nkv, hd, stride, t_len, window, scale, h0, h1)
+            }
+        };
+        let threads = rayon::current_num_threads();
+        if threads <= 1 || nh == 1 || t_len * hd * nh < PARALLEL_MIN_ELEMS {
+            run(0, nh);
+        } else {
+            use rayon::prelude::*;
+            split(nh, threads, 1).into_par_iter().for_each(|(h0, h1)| run(h0, h1));
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Kernels {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.isa)
+    }
+}

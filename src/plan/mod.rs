@@ -1,0 +1,476 @@
+//! The plan: from model configs and the target, the list of kernels to
+//! generate. This module is compiled twice — inside build.rs (via `#[path]`)
+//! and inside the library — so `bespoke plan` shows exactly what the build
+//! generated and the engine can check a loaded model against it. It depends
+//! only on std, serde and serde_json.
+
+#![allow(dead_code)]
+
+pub mod config;
+pub mod json;
+
+pub use config::{DenseDtype, Family, ModelConfig};
+pub use json::ConfigError;
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
+use std::fmt;
+
+/// Weight storage formats the kernels read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Format {
+    F32,
+    Bf16,
+    /// FP8 E4M3FN weights [out, in] with UE8M0 scales per 128×128 block.
+    Fp8,
+    /// FP4 E2M1 weights packed two per byte [out, in/2] with UE8M0 scales per 32 columns.
+    Fp4,
+}
+
+pub const FORMATS: [Format; 4] = [Format::F32, Format::Bf16, Format::Fp8, Format::Fp4];
+
+impl Format {
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::F32 => "f32",
+            Format::Bf16 => "bf16",
+            Format::Fp8 => "fp8",
+            Format::Fp4 => "fp4",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Format> {
+        FORMATS.iter().copied().find(|f| f.name() == s)
+    }
+    /// Columns per scale block (0 = no scales).
+    pub fn block_cols(self) -> usize {
+        match self {
+            Format::F32 | Format::Bf16 => 0,
+            Format::Fp8 => 128,
+            Format::Fp4 => 32,
+        }
+    }
+    /// Rows sharing one scale (0 = no scales).
+    pub fn block_rows(self) -> usize {
+        match self {
+            Format::F32 | Format::Bf16 => 0,
+            Format::Fp8 => 128,
+            Format::Fp4 => 1,
+        }
+    }
+    /// Bytes of one weight row of `cols` columns.
+    pub fn row_bytes(self, cols: usize) -> usize {
+        match self {
+            Format::F32 => cols * 4,
+            Format::Bf16 => cols * 2,
+            Format::Fp8 => cols,
+            Format::Fp4 => cols / 2,
+        }
+    }
+    /// Shape of the scale tensor for a [rows, cols] weight, if the format has one.
+    pub fn scale_shape(self, rows: usize, cols: usize) -> Option<(usize, usize)> {
+        match self {
+            Format::F32 | Format::Bf16 => None,
+            Format::Fp8 => Some((rows.div_ceil(128), cols.div_ceil(128))),
+            Format::Fp4 => Some((rows, cols / 32)),
+        }
+    }
+    /// Why a [rows, cols] matrix cannot be stored in this format, if it cannot.
+    pub fn shape_problem(self, rows: usize, cols: usize) -> Option<String> {
+        if rows == 0 || cols == 0 {
+            return Some(format!("empty matrix {rows}×{cols}"));
+        }
+        if self == Format::Fp4 && cols % 32 != 0 {
+            return Some(format!("fp4 needs columns in whole 32-column scale blocks, found {cols} columns"));
+        }
+        None
+    }
+}
+
+impl fmt::Display for Format {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Kernel operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Op {
+    /// y = W·x
+    Matvec,
+    /// Y = W·X for a few columns (tokens)
+    Matmul,
+    /// one query against a KV cache
+    AttnDecode,
+}
+
+impl Op {
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Matvec => "matvec",
+            Op::Matmul => "matmul",
+            Op::AttnDecode => "attn_decode",
+        }
+    }
+}
+
+/// CPU instruction-set variants of the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Isa {
+    Scalar,
+    Avx2,
+    Avx512,
+    Neon,
+}
+
+pub const ISAS: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon];
+
+/// Register tiles: rows of W × columns of X computed together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tile {
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// Everything the templates need to know about an ISA, as data.
+#[derive(Debug, Clone, Serialize)]
+pub struct IsaDesc {
+    pub isa: Isa,
+    pub name: &'static str,
+    /// f32 lanes in one vector register.
+    pub width: usize,
+    /// vector registers the ISA has (drives the tile choice).
+    pub registers: usize,
+    /// C compiler flags for this variant's translation unit.
+    pub cflags: &'static [&'static str],
+    /// CPU features (as std::arch names) the variant needs at run time.
+    pub cpu_features: &'static [&'static str],
+    /// target_arch this variant exists on ("any" for scalar).
+    pub arch: &'static str,
+    /// The ISA header in kernels/ that maps the primitives to intrinsics.
+    pub header: &'static str,
+    /// Dispatch preference: higher wins among supported variants.
+    pub score: u32,
+}
+
+impl Isa {
+    pub fn desc(self) -> IsaDesc {
+        match self {
+            Isa::Scalar => IsaDesc {
+                isa: self,
+                name: "scalar",
+                width: 1,
+                registers: 16,
+                cflags: &[],
+                cpu_features: &[],
+                arch: "any",
+                header: "bs_isa_scalar.h",
+                score: 1,
+            },
+            Isa::Avx2 => IsaDesc {
+                isa: self,
+                name: "avx2",
+                width: 8,
+                registers: 16,
+                cflags: &["-mavx2", "-mfma", "-mf16c"],
+                cpu_features: &["avx2", "fma", "f16c"],
+                arch: "x86_64",
+                header: "bs_isa_avx2.h",
+                score: 20,
+            },
+            Isa::Avx512 => IsaDesc {
+                isa: self,
+                name: "avx512",
+                width: 16,
+                registers: 32,
+                cflags: &["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
+                cpu_features: &["avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"],
+                arch: "x86_64",
+                header: "bs_isa_avx512.h",
+                score: 30,
+            },
+            Isa::Neon => IsaDesc {
+                isa: self,
+                name: "neon",
+                width: 4,
+                registers: 32,
+                cflags: &[],
+                cpu_features: &["neon"],
+                arch: "aarch64",
+                header: "bs_isa_neon.h",
+                score: 20,
+            },
+        }
+    }
+    pub fn name(self) -> &'static str {
+        self.desc().name
+    }
+    pub fn parse(s: &str) -> Option<Isa> {
+        ISAS.iter().copied().find(|i| i.name() == s)
+    }
+
+    /// Register tile for an op and format on this ISA. The numbers never
+    /// change results (every output element is computed in the same order
+    /// whatever the tile); they only trade registers for reuse.
+    pub fn tile(self, op: Op, format: Format) -> Tile {
+        let scaled = format.block_cols() != 0;
+        let t = |rows, cols| Tile { rows, cols };
+        match (self, op, scaled) {
+            (Isa::Scalar, _, _) => t(1, 1),
+            (Isa::Avx2, Op::Matvec, false) => t(4, 1),
+            (Isa::Avx2, Op::Matvec, true) => t(2, 1),
+            (Isa::Avx2, _, false) => t(2, 2),
+            (Isa::Avx2, _, true) => t(1, 2),
+            (Isa::Avx512, Op::Matvec, false) => t(8, 1),
+            (Isa::Avx512, Op::Matvec, true) => t(4, 1),
+            (Isa::Avx512, _, false) => t(4, 4),
+            (Isa::Avx512, _, true) => t(2, 4),
+            (Isa::Neon, Op::Matvec, false) => t(4, 1),
+            (Isa::Neon, Op::Matvec, true) => t(2, 1),
+            (Isa::Neon, _, false) => t(2, 2),
+            (Isa::Neon, _, true) => t(1, 2),
+        }
+    }
+}
+
+impl fmt::Display for Isa {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One weight matrix a model multiplies by, as the kernels see it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MatrixUse {
+    /// Tensor name pattern, e.g. `layers.*.attn.wq_a` (release names for deepseek_v4,
+    /// Hugging Face names for the others).
+    pub name: String,
+    pub format: Format,
+    pub rows: usize,
+    pub cols: usize,
+    /// How many such products one token needs (layers × groups × experts used).
+    pub per_token: usize,
+}
+
+/// A specialised matrix kernel: one (format, rows, cols); matvec and matmul
+/// are both generated for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct MatShape {
+    pub format: Format,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl MatShape {
+    pub fn key(&self) -> String {
+        format!("{}x{}", self.rows, self.cols)
+    }
+}
+
+/// A specialised attention-decode kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct AttnShape {
+    pub head_dim: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+}
+
+impl AttnShape {
+    pub fn key(&self) -> String {
+        format!("d{}_h{}_kv{}", self.head_dim, self.n_heads, self.n_kv_heads)
+    }
+}
+
+/// The matrices of one model, with the weight formats its checkpoint stores.
+pub fn matrices(cfg: &ModelConfig) -> Vec<MatrixUse> {
+    let dense = match cfg.dense_dtype {
+        DenseDtype::F32 => Format::F32,
+        DenseDtype::Bf16 => Format::Bf16,
+    };
+    let mut out = Vec::new();
+    let mut add = |name: &str, format: Format, rows: usize, cols: usize, per_token: usize| {
+        if per_token > 0 {
+            out.push(MatrixUse { name: name.to_string(), format, rows, cols, per_token });
+        }
+    };
+    let (h, d, nh, nkv, hd) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+    let layers = cfg.num_layers;
+    match cfg.family {
+        Family::Llama | Family::Qwen3 | Family::Qwen3Moe => {
+            add("model.layers.*.self_attn.q_proj", dense, nh * hd, h, layers);
+            add("model.layers.*.self_attn.k_proj", dense, nkv * hd, h, layers);
+            add("model.layers.*.self_attn.v_proj", dense, nkv * hd, h, layers);
+            add("model.layers.*.self_attn.o_proj", dense, h, nh * hd, layers);
+            let dense_mlp_layers = match &cfg.moe {
+                Some(m) => m.dense_layers.len(),
+                None => layers,
+            };
+            add("model.layers.*.mlp.gate_proj", dense, cfg.intermediate_size, h, dense_mlp_layers);
+            add("model.layers.*.mlp.up_proj", dense, cfg.intermediate_size, h, dense_mlp_layers);
+            add("model.layers.*.mlp.down_proj", dense, h, cfg.intermediate_size, dense_mlp_layers);
+            if let Some(m) = &cfg.moe {
+                let moe_layers = layers - m.dense_layers.len();
+                let mi = m.moe_intermediate_size;
+                add("model.layers.*.mlp.gate", dense, m.num_experts, h, moe_layers);
+                add("model.layers.*.mlp.experts.*.gate_proj", dense, mi, h, moe_layers * m.top_k);
+                add("model.layers.*.mlp.experts.*.up_proj", dense, mi, h, moe_layers * m.top_k);
+                add("model.layers.*.mlp.experts.*.down_proj", dense, h, mi, moe_layers * m.top_k);
+            }
+            let head = if cfg.tie_word_embeddings { "model.embed_tokens (tied head)" } else { "lm_head" };
+            add(head, dense, cfg.vocab_size, h, 1);
+        }
+        Family::DeepseekV4 => {
+            let v4 = cfg.dsv4.as_ref().expect("deepseek_v4 config carries its dsv4 section");
+            let m = cfg.moe.as_ref().expect("deepseek_v4 config carries its moe section");
+            let fp8 = if v4.fp8_dense { Format::Fp8 } else { dense };
+            let expert = if v4.fp4_experts { Format::Fp4 } else { fp8 };
+            let hc = v4.hc_mult;
+            let mix = (2 + hc) * hc;
+            let csa = v4.compress_ratios.iter().filter(|&&r| r != 0 && r == min_ratio(&v4.compress_ratios)).count();
+            let hca = v4.compress_ratios.iter().filter(|&&r| r != 0).count() - csa;
+            add("layers.*.hc_attn_fn", Format::F32, mix, hc * h, layers);
+            add("layers.*.hc_ffn_fn", Format::F32, mix, hc * h, layers);
+            add("layers.*.attn.wq_a", fp8, v4.q_lora_rank, h, layers);
+            add("layers.*.attn.wq_b", fp8, nh * d, v4.q_lora_rank, layers);
+            add("layers.*.attn.wkv", fp8, d, h, layers);
+            add("layers.*.attn.wo_a (per group)", fp8, v4.o_lora_rank, nh * d / v4.o_groups, layers * v4.o_groups);
+            add("layers.*.attn.wo_b", fp8, h, v4.o_groups * v4.o_lora_rank, layers);
+            // Compressed-sparse layers pool overlapping windows: twice the channels.
+            add("layers.*.attn.compressor.{wkv,wgate} (CSA)", dense, 2 * d, h, 2 * csa);
+            add("layers.*.attn.compressor.{wkv,wgate} (HCA)", dense, d, h, 2 * hca);
+            let (ih, id) = (v4.index_n_heads, v4.index_head_dim);
+            add("layers.*.attn.indexer.wq_b", fp8, ih * id, v4.q_lora_rank, csa);
+            add("layers.*.attn.indexer.weights_proj", dense, ih, h, csa);
+            add("layers.*.attn.indexer.compressor.{wkv,wgate}", dense, 2 * id, h, 2 * csa);
+            add("layers.*.ffn.gate", dense, m.num_experts, h, layers);
+            let si = m.moe_intermediate_size * m.n_shared_experts;
+            add("layers.*.ffn.shared_experts.{w1,w3}", fp8, si, h, 2 * layers);
+            add("layers.*.ffn.shared_experts.w2", fp8, h, si, layers);
+            let mi = m.moe_intermediate_size;
+            add("layers.*.ffn.experts.*.{w1,w3}", expert, mi, h, 2 * layers * m.top_k);
+            add("layers.*.ffn.experts.*.w2", expert, h, mi, layers * m.top_k);
+            add("hc_head_fn", Format::F32, hc, hc * h, 1);
+            add("head", dense, cfg.vocab_size, h, 1);
+        }
+    }
+    out
+}
+
+fn min_ratio(ratios: &[usize]) -> usize {
+    ratios.iter().copied().filter(|&r| r != 0).min().unwrap_or(0)
+}
+
+/// The attention-decode shapes a model needs.
+pub fn attn_shapes(cfg: &ModelConfig) -> Vec<AttnShape> {
+    vec![AttnShape { head_dim: cfg.head_dim, n_heads: cfg.num_heads, n_kv_heads: cfg.num_kv_heads }]
+}
+
+/// A problem found while planning, naming the model and matrix.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PlanError {
+    Config(ConfigError),
+    Io { path: String, message: String },
+    Shape { model: String, matrix: String, message: String },
+}
+
+impl fmt::Display for PlanError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PlanError::Config(e) => write!(f, "{e}"),
+            PlanError::Io { path, message } => write!(f, "{path}: {message}"),
+            PlanError::Shape { model, matrix, message } => write!(f, "{model}: matrix {matrix}: {message}"),
+        }
+    }
+}
+
+impl std::error::Error for PlanError {}
+
+impl From<ConfigError> for PlanError {
+    fn from(e: ConfigError) -> Self {
+        PlanError::Config(e)
+    }
+}
+
+/// A model the build (or a run) was planned for.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PlannedModel {
+    pub source: String,
+    pub summary: String,
+    pub matrices: Vec<MatrixUse>,
+    pub attn: Vec<AttnShape>,
+}
+
+/// What the build generates.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Plan {
+    pub models: Vec<PlannedModel>,
+    /// Distinct specialised matrix shapes (matvec + matmul each).
+    pub mat_shapes: Vec<MatShape>,
+    pub attn_shapes: Vec<AttnShape>,
+    /// ISA variants compiled in.
+    pub isas: Vec<Isa>,
+    /// target triple the kernels were compiled for.
+    pub target: String,
+    /// Notes from the build (e.g. why CUDA is not in it).
+    pub notes: Vec<String>,
+}
+
+/// Resolve a BESPOKE_MODEL entry (a directory or a config.json) to the config file.
+pub fn config_path(entry: &std::path::Path) -> std::path::PathBuf {
+    if entry.is_dir() {
+        entry.join("config.json")
+    } else {
+        entry.to_path_buf()
+    }
+}
+
+/// Read and parse a model's config.json.
+pub fn load_config(entry: &std::path::Path) -> Result<ModelConfig, PlanError> {
+    let path = config_path(entry);
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| PlanError::Io { path: path.display().to_string(), message: format!("cannot read config: {e}") })?;
+    Ok(ModelConfig::from_json_str(&path.display().to_string(), &text)?)
+}
+
+/// Plan one model: its matrices (checked against their formats) and attention shapes.
+pub fn plan_model(cfg: &ModelConfig) -> Result<PlannedModel, PlanError> {
+    let matrices = matrices(cfg);
+    for m in &matrices {
+        if let Some(problem) = m.format.shape_problem(m.rows, m.cols) {
+            return Err(PlanError::Shape { model: cfg.source.clone(), matrix: m.name.clone(), message: problem });
+        }
+    }
+    Ok(PlannedModel { source: cfg.source.clone(), summary: cfg.describe(), matrices, attn: attn_shapes(cfg) })
+}
+
+/// The whole build plan for a set of models, a target and the ISAs compiled.
+pub fn plan(models: &[ModelConfig], isas: Vec<Isa>, target: &str) -> Result<Plan, PlanError> {
+    let planned = models.iter().map(plan_model).collect::<Result<Vec<_>, _>>()?;
+    let mut mats = BTreeSet::new();
+    let mut attn = BTreeSet::new();
+    for m in &planned {
+        for u in &m.matrices {
+            mats.insert(MatShape { format: u.format, rows: u.rows, cols: u.cols });
+        }
+        attn.extend(m.attn.iter().copied());
+    }
+    Ok(Plan {
+        models: planned,
+        mat_shapes: mats.into_iter().collect(),
+        attn_shapes: attn.into_iter().collect(),
+        isas,
+        target: target.to_string(),
+        notes: Vec::new(),
+    })
+}
+
+/// C symbol of a matrix kernel: `bs_{op}_{fmt}_{isa}_{shape|generic}`.
+pub fn mat_symbol(op: Op, format: Format, isa: Isa, shape: Option<&MatShape>) -> String {
+    let tail = shape.map(|s| s.key()).unwrap_or_else(|| "generic".into());
+    format!("bs_{}_{}_{}_{}", op.name(), format.name(), isa.name(), tail)
+}
+
+/// C symbol of an attention kernel.
+pub fn attn_symbol(isa: Isa, shape: Option<&AttnShape>) -> String {
+    let tail = shape.map(|s| s.key()).unwrap_or_else(|| "generic".into());
+    format!("bs_attn_decode_{}_{}", isa.name(), tail)
+}

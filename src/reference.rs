@@ -1,0 +1,171 @@
+//! Scalar reference of every kernel, in Rust, with exactly the operation order
+//! the C kernels document (templates/matmul.c.tera, templates/attn.c.tera).
+//! Every compiled variant must agree with it bit for bit (NaN with NaN).
+//! Slow on purpose: clarity over speed.
+
+use crate::formats;
+use crate::kernels::{Matrix, Weights};
+
+/// The fixed reduction tree over 16 lanes: (l, l+8), (l, l+4), (l, l+2), (0, 1).
+pub fn reduce16(a: &[f32; 16]) -> f32 {
+    let mut t = [0f32; 8];
+    for l in 0..8 {
+        t[l] = a[l] + a[l + 8];
+    }
+    for l in 0..4 {
+        t[l] += t[l + 4];
+    }
+    for l in 0..2 {
+        t[l] += t[l + 2];
+    }
+    t[0] + t[1]
+}
+
+/// Weight element (r, c) decoded to f32.
+pub fn weight(m: &Matrix, r: usize, c: usize) -> f32 {
+    let cols = m.cols();
+    match m.weights() {
+        Weights::F32(w) => w[r * cols + c],
+        Weights::Bf16(w) => formats::bf16_to_f32(w[r * cols + c]),
+        Weights::Fp8 { w, .. } => formats::e4m3_to_f32(w[r * cols + c]),
+        Weights::Fp4 { w, .. } => formats::e2m1_at(&w[r * cols / 2..(r + 1) * cols / 2], c),
+    }
+}
+
+/// Scale of row r, block b (1.0 when the format has none).
+fn scale(m: &Matrix, r: usize, b: usize) -> f32 {
+    let cols = m.cols();
+    match m.weights() {
+        Weights::Fp8 { scale, .. } => formats::e8m0_to_f32(scale[(r / 128) * cols.div_ceil(128) + b]),
+        Weights::Fp4 { scale, .. } => formats::e8m0_to_f32(scale[r * (cols / 32) + b]),
+        _ => 1.0,
+    }
+}
+
+/// One output: row r of W times x.
+pub fn row_dot(m: &Matrix, r: usize, x: &[f32]) -> f32 {
+    let cols = m.cols();
+    let block = m.format().block_cols();
+    let mut acc = [0f32; 16];
+    if block == 0 {
+        for c in 0..cols {
+            acc[c % 16] = weight(m, r, c).mul_add(x[c], acc[c % 16]);
+        }
+    } else {
+        for b in 0..cols.div_ceil(block) {
+            let mut part = [0f32; 16];
+            for c in b * block..((b + 1) * block).min(cols) {
+                part[c % 16] = weight(m, r, c).mul_add(x[c], part[c % 16]);
+            }
+            let s = scale(m, r, b);
+            for l in 0..16 {
+                acc[l] = part[l].mul_add(s, acc[l]);
+            }
+        }
+    }
+    reduce16(&acc)
+}
+
+/// y = W x.
+pub fn matvec(m: &Matrix, x: &[f32]) -> Vec<f32> {
+    (0..m.rows()).map(|r| row_dot(m, r, x)).collect()
+}
+
+/// Y[n][rows] = W X[n][cols].
+pub fn matmul(m: &Matrix, x: &[f32], n: usize) -> Vec<f32> {
+    let cols = m.cols();
+    (0..n).flat_map(|j| (0..m.rows()).map(move |r| (j, r))).map(|(j, r)| row_dot(m, r, &x[j * cols..(j + 1) * cols])).collect()
+}
+
+/// Dot of two f32 vectors in the lane order.
+pub fn dot16(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    for c in 0..a.len() {
+        acc[c % 16] = a[c].mul_add(b[c], acc[c % 16]);
+    }
+    reduce16(&acc)
+}
+
+/// The softmax exp of the kernels (kernels/bs_common.h): same operations.
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = 1.442_695_040_888_963_4;
+    const C1: f32 = 0.693_359_375;
+    const C2: f32 = -2.121_944_4e-4;
+    const P: [f32; 6] = [1.987_569_15e-4, 1.398_199_950_7e-3, 8.333_451_907_3e-3, 4.166_579_589_4e-2, 1.666_666_545_9e-1, 5.000_000_120_1e-1];
+    let mut n = (x * LOG2E).round_ties_even();
+    if n < -126.0 {
+        n = -126.0;
+    }
+    if 127.0 < n {
+        n = 127.0;
+    }
+    let mut r = n.mul_add(-C1, x);
+    r = n.mul_add(-C2, r);
+    let mut p = P[0];
+    for &c in &P[1..] {
+        p = p.mul_add(r, c);
+    }
+    p = p.mul_add(r * r, r);
+    p += 1.0;
+    let k = if n.is_nan() { 0 } else { n as i32 };
+    let two_n = f32::from_bits(((k + 127) as u32) << 23);
+    if x < -87.0 {
+        0.0
+    } else {
+        p * two_n
+    }
+}
+
+/// Arguments of one attention-decode call (see `kernels::AttnArgs`).
+pub struct AttnRef<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub sinks: Option<&'a [f32]>,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub kv_stride: usize,
+    pub t_len: usize,
+    pub window: usize,
+    pub scale: f32,
+}
+
+pub fn attn_decode<'a>(a: &AttnRef<'a>) -> Vec<f32> {
+    let group = a.n_heads / a.n_kv_heads;
+    let t0 = if a.window != 0 && a.t_len > a.window { a.t_len - a.window } else { 0 };
+    let hd = a.head_dim;
+    let mut out = vec![0f32; a.n_heads * hd];
+    for h in 0..a.n_heads {
+        let q = &a.q[h * hd..(h + 1) * hd];
+        let off = (h / group) * hd;
+        let row = |buf: &'a [f32], t: usize| &buf[t * a.kv_stride + off..t * a.kv_stride + off + hd];
+        let mut m = a.sinks.map(|s| s[h]).unwrap_or(f32::NEG_INFINITY);
+        let scores: Vec<f32> = (t0..a.t_len)
+            .map(|t| {
+                let s = dot16(q, row(a.k, t)) * a.scale;
+                if s > m {
+                    m = s;
+                }
+                s
+            })
+            .collect();
+        let p: Vec<f32> = scores.iter().map(|&s| exp(s - m)).collect();
+        let mut lanes = [0f32; 16];
+        for (i, &pi) in p.iter().enumerate() {
+            lanes[i % 16] += pi;
+        }
+        let mut denom = reduce16(&lanes);
+        if let Some(s) = a.sinks {
+            denom += exp(s[h] - m);
+        }
+        for d in 0..hd {
+            let mut acc = 0f32;
+            for (i, t) in (t0..a.t_len).enumerate() {
+                acc = p[i].mul_add(row(a.v, t)[d], acc);
+            }
+            out[h * hd + d] = acc / denom;
+        }
+    }
+    out
+}

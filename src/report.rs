@@ -1,0 +1,1 @@
+//! Human-readable reports (the `bespoke plan` tables).
