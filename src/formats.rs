@@ -106,7 +106,7 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
 
 /// f32 → UE8M0 code: the power of two nearest to x (half-way rounds up, as
 /// ml_dtypes does); zero, negatives, NaN and values rounding past 2^127 are
-/// NaN (0xFF); values below 2^-127 give 2^-127 (code 0).
+/// NaN (0xFF); f32 subnormals give 2^-127 or 2^-126 (see below).
 pub fn f32_to_e8m0(x: f32) -> u8 {
     if x.is_nan() || x <= 0.0 || x.is_infinite() {
         return 0xFF;
@@ -114,15 +114,9 @@ pub fn f32_to_e8m0(x: f32) -> u8 {
     let bits = x.to_bits();
     let exp = (bits >> 23) as i32; // biased exponent (0 for subnormals)
     if exp == 0 {
-        // Subnormal: x = m·2^-149. Round in the same spirit: 2^-127 is the
-        // smallest code, everything at or below it maps there.
-        let m = bits & 0x7F_FFFF;
-        let lead = 31 - m.leading_zeros() as i32; // x in [2^(lead-149), 2^(lead-148))
-        let e = lead - 149;
-        let rem = m - (1 << lead);
-        let half = if lead > 0 { 1u32 << (lead - 1) } else { 1 };
-        let e = if lead > 0 && rem >= half { e + 1 } else { e };
-        return (e + 127).max(0) as u8;
+        // f32 subnormals: ml_dtypes sends everything up to 2^-127 to code 0
+        // (2^-127) and everything above it to code 1 (2^-126).
+        return if bits > 0x0040_0000 { 1 } else { 0 };
     }
     // Normal: mantissa rounding with 0 kept bits; the half-way point rounds up.
     let mant = bits & 0x7F_FFFF;

@@ -349,6 +349,29 @@ impl Kernels {
         Ok(())
     }
 
+    /// Rows r0..r1 of y = W x only, on the calling thread (tests of big
+    /// specialised shapes; callers that split rows themselves).
+    pub fn matvec_rows_with(
+        &self,
+        k: &MatKernel,
+        m: &Matrix,
+        x: &[f32],
+        y: &mut [f32],
+        r0: usize,
+        r1: usize,
+    ) -> Result<(), KernelError> {
+        self.check_kernel(k, m)?;
+        check_len("matvec input x", m.cols, x.len())?;
+        check_len("matvec output y", m.rows, y.len())?;
+        if r0 > r1 || r1 > m.rows {
+            return Err(KernelError::Shape(format!("row range {r0}..{r1} outside 0..{}", m.rows)));
+        }
+        let (w, s) = m.ptrs();
+        // SAFETY: lengths checked as in matvec_with and r0 <= r1 <= rows.
+        unsafe { (k.matvec)(w, s, x.as_ptr(), y.as_mut_ptr(), m.rows, m.cols, r0, r1) };
+        Ok(())
+    }
+
     /// Y = W X with a given kernel.
     pub fn matmul_with(&self, k: &MatKernel, m: &Matrix, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), KernelError> {
         self.check_kernel(k, m)?;

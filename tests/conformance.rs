@@ -1,0 +1,368 @@
+//! Conformance: every compiled kernel variant, specialised and generic, every
+//! format, against the Rust scalar reference — bit for bit (NaN = NaN).
+//! Shapes: the ones this build specialised for (the bundled models) and
+//! awkward ones. Run with `--nocapture` to see which variants ran.
+
+mod common;
+
+use bespoke::kernels::{AttnArgs, Kernels, Matrix, Weights, ATTN_KERNELS, COMPILED_ISAS, MAT_KERNELS};
+use bespoke::plan::{Format, Isa, FORMATS};
+use bespoke::{formats, reference};
+use common::{first_diff, Rng};
+
+/// Variants this CPU can run; prints which were compiled but cannot run here.
+/// BESPOKE_REQUIRE_VARIANTS=a,b makes a variant that did not run a failure.
+fn runnable() -> Vec<Kernels> {
+    let mut ks = Vec::new();
+    let mut lines = Vec::new();
+    for &isa in COMPILED_ISAS {
+        match Kernels::with_isa(isa) {
+            Ok(k) => {
+                lines.push(format!("  {isa}: RUN"));
+                ks.push(k);
+            }
+            Err(e) => lines.push(format!("  {isa}: compiled, NOT run here: {e}")),
+        }
+    }
+    eprintln!("kernel variants:\n{}", lines.join("\n"));
+    if let Ok(req) = std::env::var("BESPOKE_REQUIRE_VARIANTS") {
+        for name in req.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let isa = Isa::parse(name).unwrap_or_else(|| panic!("BESPOKE_REQUIRE_VARIANTS: unknown variant {name}"));
+            assert!(ks.iter().any(|k| k.isa() == isa), "required variant {name} did not run:\n{}", lines.join("\n"));
+        }
+    }
+    ks
+}
+
+/// Owned random weights in one format.
+struct Owned {
+    rows: usize,
+    cols: usize,
+    format: Format,
+    f: Vec<f32>,
+    h: Vec<u16>,
+    b: Vec<u8>,
+    s: Vec<u8>,
+}
+
+impl Owned {
+    fn random(rng: &mut Rng, format: Format, rows: usize, cols: usize) -> Owned {
+        let n = rows * cols;
+        let mut o = Owned { rows, cols, format, f: vec![], h: vec![], b: vec![], s: vec![] };
+        match format {
+            Format::F32 => o.f = rng.activations(n),
+            Format::Bf16 => {
+                o.h = (0..n)
+                    .map(|_| match rng.below(60) {
+                        0 => 0x8000,                           // -0
+                        1 => 0x0001 + rng.below(0x7F) as u16, // subnormal
+                        2 => 0x7F7F,                           // largest finite
+                        3 => 0xFF7F,
+                        _ => formats::f32_to_bf16(rng.unit() * 2.0),
+                    })
+                    .collect()
+            }
+            Format::Fp8 => {
+                // Every code, NaN codes rarely.
+                o.b = (0..n)
+                    .map(|_| {
+                        let c = rng.below(256) as u8;
+                        if c & 0x7F == 0x7F && rng.below(20) != 0 {
+                            c ^ 1
+                        } else {
+                            c
+                        }
+                    })
+                    .collect();
+                let (sr, sc) = format.scale_shape(rows, cols).unwrap();
+                o.s = (0..sr * sc).map(|_| rng.scale_byte()).collect();
+            }
+            Format::Fp4 => {
+                o.b = (0..n / 2).map(|_| rng.below(256) as u8).collect();
+                let (sr, sc) = format.scale_shape(rows, cols).unwrap();
+                o.s = (0..sr * sc).map(|_| rng.scale_byte()).collect();
+            }
+        }
+        o
+    }
+    fn matrix(&self) -> Matrix<'_> {
+        let w = match self.format {
+            Format::F32 => Weights::F32(&self.f),
+            Format::Bf16 => Weights::Bf16(&self.h),
+            Format::Fp8 => Weights::Fp8 { w: &self.b, scale: &self.s },
+            Format::Fp4 => Weights::Fp4 { w: &self.b, scale: &self.s },
+        };
+        Matrix::new(self.rows, self.cols, w).expect("valid test matrix")
+    }
+}
+
+fn awkward_shapes(format: Format) -> Vec<(usize, usize)> {
+    match format {
+        Format::F32 | Format::Bf16 => vec![(1, 1), (1, 17), (3, 15), (5, 16), (37, 100), (130, 33), (64, 64), (9, 257)],
+        Format::Fp8 => vec![(1, 1), (1, 16), (3, 250), (129, 130), (128, 128), (200, 300), (17, 17)],
+        Format::Fp4 => vec![(1, 32), (7, 96), (33, 160), (2, 2048), (130, 64)],
+    }
+}
+
+fn specialised_shapes(format: Format) -> Vec<(usize, usize)> {
+    let mut v: Vec<(usize, usize)> = MAT_KERNELS.iter().filter(|k| k.format == format).filter_map(|k| k.shape).collect();
+    v.sort();
+    v.dedup();
+    v
+}
+
+/// Full check of matvec and matmul for one matrix on every variant.
+fn check_full(ks: &[Kernels], rng: &mut Rng, format: Format, rows: usize, cols: usize, ns: &[usize]) -> usize {
+    let o = Owned::random(rng, format, rows, cols);
+    let m = o.matrix();
+    let x = rng.activations(cols);
+    let want = reference::matvec(&m, &x);
+    let mut checked = 0;
+    for k in ks {
+        let mut kernels = vec![("generic", k.mat_kernel_generic(format))];
+        if let Some(s) = k.mat_kernel_specialised(format, rows, cols) {
+            kernels.push(("specialised", s));
+        }
+        for (kind, kern) in kernels {
+            let mut y = vec![f32::NAN; rows];
+            k.matvec_with(kern, &m, &x, &mut y).unwrap();
+            if let Some((i, a, b)) = first_diff(&y, &want) {
+                panic!("{} {format} {kind} matvec {rows}x{cols}: row {i}: kernel {a:e} ({:#x}), reference {b:e} ({:#x})", k.isa(), a.to_bits(), b.to_bits());
+            }
+            for &n in ns {
+                let xs = rng.activations(n * cols);
+                let want_mm = reference::matmul(&m, &xs, n);
+                let mut ys = vec![f32::NAN; n * rows];
+                k.matmul_with(kern, &m, &xs, n, &mut ys).unwrap();
+                if let Some((i, a, b)) = first_diff(&ys, &want_mm) {
+                    panic!("{} {format} {kind} matmul {rows}x{cols} n={n}: token {} row {}: kernel {a:e}, reference {b:e}", k.isa(), i / rows, i % rows);
+                }
+            }
+            checked += 1;
+        }
+    }
+    checked
+}
+
+#[test]
+fn matrix_kernels_match_reference_on_awkward_shapes() {
+    let ks = runnable();
+    let mut rng = Rng(1);
+    let mut count = 0;
+    for format in FORMATS {
+        for (rows, cols) in awkward_shapes(format) {
+            count += check_full(&ks, &mut rng, format, rows, cols, &[1, 2, 3, 5, 8]);
+        }
+    }
+    eprintln!("awkward shapes: {count} kernel checks passed");
+}
+
+#[test]
+fn matmul_up_to_64_columns() {
+    let ks = runnable();
+    let mut rng = Rng(2);
+    for format in FORMATS {
+        let (rows, cols) = if format == Format::Fp4 { (19, 64) } else { (19, 40) };
+        check_full(&ks, &mut rng, format, rows, cols, &[17, 33, 64]);
+    }
+}
+
+/// Every specialised shape of this build. Shapes up to 1M weights are checked
+/// whole; bigger ones on row ranges at the start, an unaligned middle and the
+/// end (the rest of the buffer stays zero and untouched by the kernel).
+#[test]
+fn specialised_kernels_match_reference_on_build_shapes() {
+    let ks = runnable();
+    let mut rng = Rng(3);
+    let mut report = Vec::new();
+    for format in FORMATS {
+        for (rows, cols) in specialised_shapes(format) {
+            if rows * cols <= 1 << 20 {
+                check_full(&ks, &mut rng, format, rows, cols, &[1, 3, 4]);
+                report.push(format!("{format} {rows}x{cols} (whole)"));
+                continue;
+            }
+            let mut o = Owned::random(&mut rng, format, 1, cols);
+            let row = |o: &Owned| (o.f.clone(), o.h.clone(), o.b.clone(), o.s.clone());
+            let (f1, h1, b1, s1) = row(&o);
+            // Tile one random row over the whole matrix: cheap to build, and
+            // every row still gets its own scales below.
+            o.rows = rows;
+            o.f = f1.repeat(rows.min(if f1.is_empty() { 0 } else { rows }));
+            o.h = h1.repeat(if h1.is_empty() { 0 } else { rows });
+            o.b = b1.repeat(if b1.is_empty() { 0 } else { rows });
+            let _ = s1;
+            if let Some((sr, sc)) = format.scale_shape(rows, cols) {
+                o.s = (0..sr * sc).map(|_| rng.scale_byte()).collect();
+            }
+            let m = o.matrix();
+            let x = rng.activations(cols);
+            let mid = rows / 2 + 7;
+            for k in &ks {
+                let kern = k.mat_kernel_specialised(format, rows, cols).expect("specialised kernel of the build");
+                let generic = k.mat_kernel_generic(format);
+                for (r0, r1) in [(0, 9), (mid, (mid + 21).min(rows)), (rows - 5, rows)] {
+                    for kk in [kern, generic] {
+                        let mut y = vec![0f32; rows];
+                        k.matvec_rows_with(kk, &m, &x, &mut y, r0, r1).unwrap();
+                        for r in r0..r1 {
+                            let want = reference::row_dot(&m, r, &x);
+                            assert!(common::same(y[r], want), "{} {format} {rows}x{cols} row {r}: {} vs reference {want}", k.isa(), y[r]);
+                        }
+                    }
+                }
+            }
+            report.push(format!("{format} {rows}x{cols} (row ranges)"));
+        }
+    }
+    eprintln!("specialised shapes checked: {}", report.join(", "));
+}
+
+#[test]
+fn results_do_not_depend_on_thread_count() {
+    let ks = runnable();
+    let mut rng = Rng(4);
+    for format in FORMATS {
+        let (rows, cols) = (300, 256);
+        let o = Owned::random(&mut rng, format, rows, cols);
+        let m = o.matrix();
+        let xs = rng.activations(3 * cols);
+        let want = reference::matmul(&m, &xs, 3);
+        for k in &ks {
+            for threads in [1, 2, 3] {
+                let pool = bespoke::threads::pool(threads);
+                let mut y = vec![0f32; 3 * rows];
+                pool.install(|| k.matmul(&m, &xs, 3, &mut y)).unwrap();
+                assert!(first_diff(&y, &want).is_none(), "{} {format} with {threads} threads", k.isa());
+            }
+        }
+    }
+}
+
+struct AttnCase {
+    hd: usize,
+    h: usize,
+    kv: usize,
+    t: usize,
+    window: usize,
+    sinks: bool,
+    stride_pad: usize,
+}
+
+fn check_attn(ks: &[Kernels], rng: &mut Rng, c: &AttnCase, specialised_expected: bool) {
+    let stride = c.kv * c.hd + c.stride_pad;
+    let q: Vec<f32> = (0..c.h * c.hd).map(|_| rng.unit() * 2.0).collect();
+    let kbuf: Vec<f32> = (0..c.t * stride).map(|_| rng.unit() * 2.0).collect();
+    let vbuf: Vec<f32> = (0..c.t * stride).map(|_| rng.activation()).collect();
+    let sinks: Vec<f32> = (0..c.h).map(|_| rng.unit() * 3.0).collect();
+    let scale = 1.0 / (c.hd as f32).sqrt();
+    let r = reference::AttnRef {
+        q: &q,
+        k: &kbuf,
+        v: &vbuf,
+        sinks: c.sinks.then_some(&sinks[..]),
+        n_heads: c.h,
+        n_kv_heads: c.kv,
+        head_dim: c.hd,
+        kv_stride: stride,
+        t_len: c.t,
+        window: c.window,
+        scale,
+    };
+    let want = reference::attn_decode(&r);
+    let a = AttnArgs {
+        q: &q,
+        k: &kbuf,
+        v: &vbuf,
+        sinks: r.sinks,
+        n_heads: c.h,
+        n_kv_heads: c.kv,
+        head_dim: c.hd,
+        kv_stride: stride,
+        t_len: c.t,
+        window: c.window,
+        scale,
+    };
+    for k in ks {
+        let shape = bespoke::plan::AttnShape { head_dim: c.hd, n_heads: c.h, n_kv_heads: c.kv };
+        let chosen = k.attn_kernel(shape);
+        assert_eq!(chosen.shape.is_some(), specialised_expected, "specialised attention kernel for {shape:?}");
+        let generic = ATTN_KERNELS.iter().find(|x| x.isa == k.isa() && x.shape.is_none()).unwrap();
+        for kern in [chosen, generic] {
+            let mut out = vec![f32::NAN; c.h * c.hd];
+            k.attn_decode_with(kern, &a, &mut out).unwrap();
+            if let Some((i, x, y)) = first_diff(&out, &want) {
+                panic!(
+                    "{} attention hd={} h={} kv={} t={} window={} sinks={}: element {i}: kernel {x:e}, reference {y:e}",
+                    k.isa(), c.hd, c.h, c.kv, c.t, c.window, c.sinks
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn attention_matches_reference() {
+    let ks = runnable();
+    let mut rng = Rng(5);
+    // Awkward shapes through the generic kernel.
+    for &(hd, h, kv) in &[(1, 1, 1), (16, 8, 8), (33, 6, 3), (64, 4, 1), (80, 2, 2)] {
+        for &t in &[1, 5, 16, 17, 100] {
+            for &(window, sinks) in &[(0, false), (7, false), (0, true), (40, true)] {
+                let c = AttnCase { hd, h, kv, t, window, sinks, stride_pad: 3 };
+                let spec = ATTN_KERNELS.iter().any(|x| {
+                    x.shape == Some(bespoke::plan::AttnShape { head_dim: hd, n_heads: h, n_kv_heads: kv })
+                });
+                check_attn(&ks, &mut rng, &c, spec);
+            }
+        }
+    }
+    // The build's specialised shapes.
+    let mut shapes: Vec<_> = ATTN_KERNELS.iter().filter_map(|x| x.shape).collect();
+    shapes.sort();
+    shapes.dedup();
+    for s in shapes {
+        for &(t, window, sinks) in &[(1, 0, false), (37, 0, true), (150, 128, true)] {
+            let c = AttnCase { hd: s.head_dim, h: s.n_heads, kv: s.n_kv_heads, t, window, sinks, stride_pad: 0 };
+            check_attn(&ks, &mut rng, &c, true);
+        }
+    }
+}
+
+#[test]
+fn softmax_exp_is_accurate() {
+    // The kernels' exp is a defined operation sequence; check it is also a
+    // good exp (a few ulp) over the softmax domain.
+    let mut worst = 0f64;
+    let mut x = -87.0f32;
+    while x <= 0.0 {
+        let got = reference::exp(x) as f64;
+        let want = (x as f64).exp();
+        worst = worst.max(((got - want) / want).abs());
+        x += 0.0137;
+    }
+    assert!(worst < 4e-7, "relative error {worst:e}");
+    assert_eq!(reference::exp(-100.0), 0.0);
+    assert_eq!(reference::exp(f32::NEG_INFINITY), 0.0);
+    assert!(reference::exp(f32::NAN).is_nan());
+}
+
+#[test]
+fn shape_and_length_errors_are_clear() {
+    let w = vec![0f32; 12];
+    let e = Matrix::new(3, 5, Weights::F32(&w)).err().unwrap().to_string();
+    assert!(e.contains("expected 15") && e.contains("found 12"), "{e}");
+    let b = vec![0u8; 48];
+    let e = Matrix::new(3, 33, Weights::Fp4 { w: &b, scale: &b }).err().unwrap().to_string();
+    assert!(e.contains("32-column"), "{e}");
+    let s = vec![0u8; 2];
+    let e = Matrix::new(3, 32, Weights::Fp4 { w: &b[..48], scale: &s }).err().unwrap().to_string();
+    assert!(e.contains("fp4"), "{e}");
+    let m = Matrix::new(3, 4, Weights::F32(&w)).unwrap();
+    let k = Kernels::best();
+    let mut y = vec![0f32; 3];
+    let e = k.matvec(&m, &[1.0; 5], &mut y).err().unwrap().to_string();
+    assert!(e.contains("input x") && e.contains("expected 4"), "{e}");
+    let e = k.matmul(&m, &[1.0; 8], 2, &mut y).err().unwrap().to_string();
+    assert!(e.contains("output Y"), "{e}");
+}
