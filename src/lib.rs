@@ -1,6 +1,7 @@
 //! bespoke: inference kernels generated at build time for one model and one
 //! machine. See README.md for the flow; `plan` is shared with build.rs.
 
+pub mod bench;
 pub mod cpu;
 pub mod formats;
 pub mod kernels;

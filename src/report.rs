@@ -1,1 +1,187 @@
-//! Human-readable reports (the `bespoke plan` tables).
+//! Human-readable reports: the `bespoke plan` tables.
+
+use crate::kernels::{self, Kernels, COMPILED_ISAS};
+use crate::plan::{self, Isa, Plan, PlannedModel};
+use std::fmt::Write as _;
+
+/// The plan build.rs used (embedded in the binary).
+pub fn build_plan() -> Plan {
+    serde_json::from_str(kernels::BUILD_PLAN_JSON).expect("build.rs writes a valid plan.json")
+}
+
+/// Short name of a model source (its directory name, or the file name).
+pub fn short_source(source: &str) -> String {
+    let p = std::path::Path::new(source);
+    let name = if p.file_name().and_then(|f| f.to_str()) == Some("config.json") {
+        p.parent().and_then(|d| d.file_name())
+    } else {
+        p.file_name()
+    };
+    name.and_then(|n| n.to_str()).unwrap_or(source).to_string()
+}
+
+fn table(out: &mut String, header: &[&str], rows: &[Vec<String>]) {
+    let mut width: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for r in rows {
+        for (i, c) in r.iter().enumerate() {
+            width[i] = width[i].max(c.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let mut s = String::from("  ");
+        for (i, c) in cells.iter().enumerate() {
+            let pad = width[i] - c.chars().count();
+            s += c;
+            if i + 1 < cells.len() {
+                s += &" ".repeat(pad + 2);
+            }
+        }
+        s.trim_end().to_string()
+    };
+    writeln!(out, "{}", line(header.iter().map(|s| s.to_string()).collect())).unwrap();
+    writeln!(out, "{}", line(width.iter().map(|w| "-".repeat(*w)).collect())).unwrap();
+    for r in rows {
+        writeln!(out, "{}", line(r.clone())).unwrap();
+    }
+}
+
+/// The ISA / dispatch / threads section.
+pub fn variants_report(choice: &Result<kernels::Choice, kernels::KernelError>, threads: usize) -> String {
+    let mut out = String::new();
+    writeln!(out, "CPU: {} ({})", crate::cpu::cpu_name(), std::env::consts::ARCH).unwrap();
+    let rows: Vec<Vec<String>> = COMPILED_ISAS
+        .iter()
+        .map(|&isa| {
+            let d = isa.desc();
+            let missing = crate::cpu::missing_features(isa);
+            let status =
+                if missing.is_empty() { "runnable".to_string() } else { format!("not on this CPU (lacks {})", missing.join(", ")) };
+            let feats = if d.cpu_features.is_empty() { "-".to_string() } else { d.cpu_features.join("+") };
+            vec![d.name.to_string(), d.score.to_string(), feats, status]
+        })
+        .collect();
+    writeln!(out, "\nkernel variants compiled into this binary:").unwrap();
+    table(&mut out, &["variant", "score", "needs", "status"], &rows);
+    match choice {
+        Ok(c) => writeln!(out, "\ndispatch uses: {} — {}", c.kernels.isa(), c.reason).unwrap(),
+        Err(e) => writeln!(out, "\ndispatch: error: {e}").unwrap(),
+    }
+    writeln!(out, "(BESPOKE_KERNELS=scalar|avx2|avx512|neon forces one variant)").unwrap();
+    writeln!(out, "threads: {threads} (--threads N or BESPOKE_THREADS; default: physical cores = {})", crate::cpu::physical_cores())
+        .unwrap();
+    out
+}
+
+pub fn cuda_report() -> String {
+    if cfg!(feature = "cuda") {
+        "CUDA: feature `cuda` is on, but this version has no CUDA backend yet; running on the CPU".into()
+    } else {
+        "CUDA: not built with CUDA (the `cuda` feature is off); running on the CPU".into()
+    }
+}
+
+/// What the build generated: models, specialised shapes, ISAs.
+pub fn build_report(p: &Plan) -> String {
+    let mut out = String::new();
+    writeln!(out, "target: {}", p.target).unwrap();
+    writeln!(out, "ISA variants compiled: {}", p.isas.iter().map(|i| i.name()).collect::<Vec<_>>().join(", ")).unwrap();
+    for n in &p.notes {
+        writeln!(out, "note: {n}").unwrap();
+    }
+    writeln!(out, "\nmodels this build was specialised for (BESPOKE_MODEL at build time):").unwrap();
+    for m in &p.models {
+        writeln!(out, "  {} — {}", short_source(&m.source), m.summary).unwrap();
+    }
+    writeln!(out, "\nspecialised matrix kernels (matvec + matmul, each ISA variant):").unwrap();
+    let rows: Vec<Vec<String>> = p
+        .mat_shapes
+        .iter()
+        .map(|s| {
+            let users: Vec<String> = p
+                .models
+                .iter()
+                .flat_map(|m| {
+                    m.matrices
+                        .iter()
+                        .filter(|u| u.format == s.format && u.rows == s.rows && u.cols == s.cols)
+                        .map(move |u| format!("{}: {}", short_source(&m.source), u.name))
+                })
+                .collect();
+            let block = match s.format.scale_shape(s.rows, s.cols) {
+                Some(_) => format!("{}×{}", s.format.block_rows(), s.format.block_cols()),
+                None => "-".into(),
+            };
+            vec![s.format.to_string(), s.rows.to_string(), s.cols.to_string(), block, users.join("; ")]
+        })
+        .collect();
+    table(&mut out, &["format", "rows", "cols", "scale block", "used by"], &rows);
+    writeln!(out, "\nspecialised attention-decode kernels:").unwrap();
+    let rows: Vec<Vec<String>> = p
+        .attn_shapes
+        .iter()
+        .map(|s| {
+            let users: Vec<String> =
+                p.models.iter().filter(|m| m.attn.contains(s)).map(|m| short_source(&m.source)).collect();
+            vec![s.head_dim.to_string(), s.n_heads.to_string(), s.n_kv_heads.to_string(), users.join(", ")]
+        })
+        .collect();
+    table(&mut out, &["head_dim", "heads", "kv heads", "used by"], &rows);
+    writeln!(
+        out,
+        "\ngeneric (run-time shape) kernels, each ISA variant: matvec + matmul for {}; attention decode",
+        plan::FORMATS.iter().map(|f| f.name()).collect::<Vec<_>>().join(", ")
+    )
+    .unwrap();
+    out
+}
+
+/// For a model given at run time: which matrices use a specialised kernel.
+pub fn model_report(m: &PlannedModel, k: &Kernels) -> String {
+    let mut out = String::new();
+    writeln!(out, "model {}: {}", m.source, m.summary).unwrap();
+    let mut specialised = 0;
+    let rows: Vec<Vec<String>> = m
+        .matrices
+        .iter()
+        .map(|u| {
+            let spec = k.mat_kernel_specialised(u.format, u.rows, u.cols).is_some();
+            specialised += spec as usize;
+            vec![
+                u.name.clone(),
+                u.format.to_string(),
+                format!("{}×{}", u.rows, u.cols),
+                u.per_token.to_string(),
+                if spec { "specialised".into() } else { "generic".into() },
+            ]
+        })
+        .collect();
+    table(&mut out, &["matrix", "format", "rows×cols", "per token", "kernel"], &rows);
+    for s in &m.attn {
+        let spec = k.attn_kernel(*s).shape.is_some();
+        writeln!(
+            out,
+            "  attention decode: head_dim {}, {} heads, {} KV heads: {}",
+            s.head_dim,
+            s.n_heads,
+            s.n_kv_heads,
+            if spec { "specialised" } else { "generic" }
+        )
+        .unwrap();
+    }
+    if specialised < m.matrices.len() {
+        writeln!(
+            out,
+            "note: {} of {} matrix shapes run on generic kernels; build with BESPOKE_MODEL={} to specialise them",
+            m.matrices.len() - specialised,
+            m.matrices.len(),
+            std::path::Path::new(&m.source).parent().map(|p| p.display().to_string()).unwrap_or_default()
+        )
+        .unwrap();
+    }
+    out
+}
+
+/// Every ISA the project knows, with whether this build has it.
+pub fn isa_names() -> Vec<(Isa, bool)> {
+    plan::ISAS.iter().map(|i| (*i, COMPILED_ISAS.contains(i))).collect()
+}

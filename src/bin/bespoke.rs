@@ -1,1 +1,128 @@
-fn main(){}
+//! The `bespoke` command line.
+
+use bespoke::kernels::Kernels;
+use bespoke::{bench, plan, report, threads};
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "bespoke",
+    version,
+    about = "Inference kernels generated at build time for one model and one machine",
+    long_about = "bespoke generates matvec, small-batch matmul and attention kernels specialised \
+                  on a model's shapes and weight formats (F32, BF16, FP8 E4M3 with UE8M0 128x128 \
+                  scales, FP4 E2M1 with UE8M0 per-32 scales) for each ISA variant \
+                  (scalar, AVX2, AVX-512, NEON), compiles them into this binary, and \
+                  dispatches to the best one the CPU supports.\n\n\
+                  Environment: BESPOKE_KERNELS=scalar|avx2|avx512|neon forces a variant; \
+                  BESPOKE_THREADS=N sets the thread count."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Show what this build generated: models and shapes specialised, ISA
+    /// variants compiled, which one dispatch picks on this CPU and why; with
+    /// --model, which of that model's matrices get a specialised kernel.
+    Plan {
+        /// A model directory (or its config.json) to check against this build.
+        /// May be given more than once.
+        #[arg(long, value_name = "DIR")]
+        model: Vec<PathBuf>,
+        /// Print the build plan as JSON instead of tables.
+        #[arg(long)]
+        json: bool,
+        /// Worker threads (default: BESPOKE_THREADS, else physical cores).
+        #[arg(long, value_name = "N")]
+        threads: Option<usize>,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        what: BenchWhat,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchWhat {
+    /// Time every FP4 / FP8 / BF16 matvec this build specialised at DeepSeek V4
+    /// Flash expert shapes and the fixture's shapes, per ISA variant,
+    /// specialised and generic, 1 thread and all threads, weights cache-resident
+    /// and streamed from memory, next to the machine's read bandwidth measured
+    /// in the same run.
+    Kernels {
+        /// Thread count for the "all threads" runs (default: physical cores).
+        #[arg(long, value_name = "N")]
+        threads: Option<usize>,
+        /// A short run (fewer repeats, smaller streaming buffers) for smoke tests.
+        #[arg(long)]
+        quick: bool,
+        /// Also write the results as JSON to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+        /// Only kernels whose format is one of these (comma-separated: f32,bf16,fp8,fp4).
+        #[arg(long, value_name = "LIST")]
+        formats: Option<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("bespoke: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<(), String> {
+    match cli.command {
+        Command::Plan { model, json, threads: t } => {
+            let p = report::build_plan();
+            if json {
+                println!("{}", serde_json::to_string_pretty(&p).map_err(|e| e.to_string())?);
+                return Ok(());
+            }
+            let n = threads::resolve(t)?;
+            let choice = Kernels::from_env();
+            println!("bespoke {} — kernel plan of this build\n", env!("CARGO_PKG_VERSION"));
+            print!("{}", report::build_report(&p));
+            println!();
+            print!("{}", report::variants_report(&choice, n));
+            println!("{}", report::cuda_report());
+            let kernels = choice.map_err(|e| e.to_string())?.kernels;
+            for dir in model {
+                let cfg = plan::load_config(&dir).map_err(|e| e.to_string())?;
+                let planned = plan::plan_model(&cfg).map_err(|e| e.to_string())?;
+                println!();
+                print!("{}", report::model_report(&planned, &kernels));
+            }
+            Ok(())
+        }
+        Command::Bench { what: BenchWhat::Kernels { threads: t, quick, json, formats } } => {
+            let n = threads::resolve(t)?;
+            let formats = match formats {
+                None => vec![plan::Format::Bf16, plan::Format::Fp8, plan::Format::Fp4],
+                Some(list) => list
+                    .split(',')
+                    .map(|s| plan::Format::parse(s.trim()).ok_or_else(|| format!("--formats: unknown format {s:?} (f32, bf16, fp8, fp4)")))
+                    .collect::<Result<Vec<_>, _>>()?,
+            };
+            let opts = bench::Options { threads: n, quick, formats };
+            let results = bench::kernels(&opts)?;
+            if let Some(path) = json {
+                let text = serde_json::to_string_pretty(&results).map_err(|e| e.to_string())?;
+                std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+                eprintln!("wrote {}", path.display());
+            }
+            Ok(())
+        }
+    }
+}

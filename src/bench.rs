@@ -1,0 +1,363 @@
+//! `bespoke bench kernels` / `cargo bench`: what specialisation buys on this
+//! machine, measured side by side in one run. The machine's read bandwidth is
+//! measured first (a plain streaming read, same thread counts), then every
+//! selected matvec: each compiled ISA variant this CPU runs, specialised and
+//! generic, 1 thread and all threads, weights resident in cache and streamed
+//! from memory (cycling through copies larger than the last-level cache).
+
+use crate::kernels::{Kernels, MatKernel, Matrix, Weights, COMPILED_ISAS};
+use crate::plan::Format;
+use serde::Serialize;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+pub struct Options {
+    pub threads: usize,
+    pub quick: bool,
+    pub formats: Vec<Format>,
+}
+
+#[derive(Serialize)]
+pub struct Machine {
+    pub cpu: String,
+    pub arch: String,
+    pub physical_cores: usize,
+    pub llc_bytes: usize,
+}
+
+#[derive(Serialize)]
+pub struct Bandwidth {
+    pub threads: usize,
+    pub bytes: usize,
+    pub gb_per_s: f64,
+}
+
+#[derive(Serialize, Clone)]
+pub struct KernelResult {
+    pub format: String,
+    pub rows: usize,
+    pub cols: usize,
+    pub origin: String,
+    pub isa: String,
+    pub kernel: String,
+    pub threads: usize,
+    pub residency: String,
+    pub median_us: f64,
+    pub min_us: f64,
+    pub max_us: f64,
+    pub gb_per_s: f64,
+    pub gflop_per_s: f64,
+    /// GB/s over the streaming-read bandwidth at the same thread count.
+    pub bandwidth_fraction: f64,
+}
+
+#[derive(Serialize)]
+pub struct Results {
+    pub machine: Machine,
+    pub bandwidth: Vec<Bandwidth>,
+    pub kernels: Vec<KernelResult>,
+}
+
+/// Size of the last-level cache, from sysfs (32 MiB if unknown).
+pub fn llc_bytes() -> usize {
+    let mut best = 0;
+    for i in 0..8 {
+        let p = format!("/sys/devices/system/cpu/cpu0/cache/index{i}/size");
+        if let Ok(s) = std::fs::read_to_string(p) {
+            let s = s.trim();
+            let (num, mul) = match s.strip_suffix('K') {
+                Some(n) => (n, 1024),
+                None => match s.strip_suffix('M') {
+                    Some(n) => (n, 1 << 20),
+                    None => (s, 1),
+                },
+            };
+            if let Ok(v) = num.parse::<usize>() {
+                best = best.max(v * mul);
+            }
+        }
+    }
+    if best == 0 {
+        32 << 20
+    } else {
+        best
+    }
+}
+
+/// Per-call seconds: median, min, max over samples of `batch` calls each.
+fn time_calls(mut f: impl FnMut(), samples: usize, min_sample: Duration) -> (f64, f64, f64) {
+    f();
+    // Size the batch so one sample takes at least min_sample.
+    let mut batch = 1usize;
+    loop {
+        let t = Instant::now();
+        for _ in 0..batch {
+            f();
+        }
+        let e = t.elapsed();
+        if e >= min_sample || batch >= 1 << 20 {
+            break;
+        }
+        batch = (batch * 2).max((batch as f64 * min_sample.as_secs_f64() / e.as_secs_f64().max(1e-9)) as usize / 2);
+    }
+    let mut v: Vec<f64> = (0..samples)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..batch {
+                f();
+            }
+            t.elapsed().as_secs_f64() / batch as f64
+        })
+        .collect();
+    v.sort_by(|a, b| a.total_cmp(b));
+    (v[v.len() / 2], v[0], v[v.len() - 1])
+}
+
+/// A plain streaming read of `buf` split over the pool's threads.
+fn stream_read(buf: &[u64]) -> u64 {
+    use rayon::prelude::*;
+    let threads = rayon::current_num_threads();
+    let chunk = buf.len().div_ceil(threads).max(1024);
+    buf.par_chunks(chunk)
+        .map(|c| {
+            let mut acc = [0u64; 8];
+            for w in c.chunks_exact(8) {
+                for i in 0..8 {
+                    acc[i] = acc[i].wrapping_add(w[i]);
+                }
+            }
+            acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
+        })
+        .reduce(|| 0, |a, b| a.wrapping_add(b))
+}
+
+/// Read bandwidth in GB/s with the current pool.
+pub fn read_bandwidth(bytes: usize, samples: usize) -> f64 {
+    let buf: Vec<u64> = (0..bytes / 8).map(|i| i as u64).collect();
+    let (med, _, _) = time_calls(|| { black_box(stream_read(black_box(&buf))); }, samples, Duration::from_millis(1));
+    bytes as f64 / med / 1e9
+}
+
+/// Owned weights of one format filled with well-behaved values.
+struct Weights0 {
+    f: Vec<f32>,
+    h: Vec<u16>,
+    b: Vec<u8>,
+    s: Vec<u8>,
+}
+
+fn make_weights(format: Format, rows: usize, cols: usize, seed: u64) -> Weights0 {
+    let n = rows * cols;
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut w = Weights0 { f: vec![], h: vec![], b: vec![], s: vec![] };
+    match format {
+        Format::F32 => w.f = (0..n).map(|_| (next() % 1000) as f32 / 1000.0 - 0.5).collect(),
+        Format::Bf16 => w.h = (0..n).map(|_| 0x3C00 | (next() % 0x100) as u16).collect(),
+        Format::Fp8 | Format::Fp4 => {
+            let bytes = if format == Format::Fp8 { n } else { n / 2 };
+            w.b = (0..bytes).map(|_| (next() as u8) & 0x77).collect();
+            let (sr, sc) = format.scale_shape(rows, cols).unwrap_or((0, 0));
+            w.s = vec![120; sr * sc];
+        }
+    }
+    w
+}
+
+fn matrix(format: Format, rows: usize, cols: usize, w: &Weights0) -> Matrix<'_> {
+    let ws = match format {
+        Format::F32 => Weights::F32(&w.f),
+        Format::Bf16 => Weights::Bf16(&w.h),
+        Format::Fp8 => Weights::Fp8 { w: &w.b, scale: &w.s },
+        Format::Fp4 => Weights::Fp4 { w: &w.b, scale: &w.s },
+    };
+    Matrix::new(rows, cols, ws).expect("benchmark matrix")
+}
+
+/// The cases: DeepSeek V4 Flash expert shapes and the fixture's shapes, for
+/// each selected format this build specialised.
+fn cases(formats: &[Format]) -> Vec<(Format, usize, usize, String)> {
+    let plan = crate::report::build_plan();
+    let mut out = Vec::new();
+    for s in &plan.mat_shapes {
+        if !formats.contains(&s.format) {
+            continue;
+        }
+        if (s.rows, s.cols) == (2048, 4096) || (s.rows, s.cols) == (4096, 2048) {
+            out.push((s.format, s.rows, s.cols, "dsv4-flash expert".to_string()));
+        }
+    }
+    for m in &plan.models {
+        if m.source.contains("fixtures/tiny") {
+            for u in &m.matrices {
+                if formats.contains(&u.format) && !out.iter().any(|c| (c.0, c.1, c.2) == (u.format, u.rows, u.cols)) {
+                    out.push((u.format, u.rows, u.cols, format!("{}: {}", crate::report::short_source(&m.source), u.name)));
+                }
+            }
+        }
+    }
+    out
+}
+
+pub fn kernels(opts: &Options) -> Result<Results, String> {
+    let llc = llc_bytes();
+    let machine = Machine {
+        cpu: crate::cpu::cpu_name(),
+        arch: std::env::consts::ARCH.into(),
+        physical_cores: crate::cpu::physical_cores(),
+        llc_bytes: llc,
+    };
+    let samples = if opts.quick { 3 } else { 9 };
+    let min_sample = Duration::from_millis(if opts.quick { 1 } else { 20 });
+    let stream_bytes = if opts.quick { 2 * llc } else { (4 * llc).max(256 << 20) };
+    let mut thread_counts = vec![1];
+    if opts.threads > 1 {
+        thread_counts.push(opts.threads);
+    }
+    eprintln!(
+        "machine: {} ({}), {} physical cores, last-level cache {} MiB",
+        machine.cpu,
+        machine.arch,
+        machine.physical_cores,
+        llc >> 20
+    );
+    let mut bandwidth = Vec::new();
+    for &t in &thread_counts {
+        let pool = crate::threads::pool(t);
+        let gb = pool.install(|| read_bandwidth(stream_bytes, samples));
+        eprintln!("read bandwidth, {t} thread(s), {} MiB buffer: {gb:.1} GB/s", stream_bytes >> 20);
+        bandwidth.push(Bandwidth { threads: t, bytes: stream_bytes, gb_per_s: gb });
+    }
+    let variants: Vec<Kernels> = COMPILED_ISAS.iter().filter_map(|&i| Kernels::with_isa(i).ok()).collect();
+    let skipped: Vec<&str> =
+        COMPILED_ISAS.iter().filter(|i| !variants.iter().any(|k| k.isa() == **i)).map(|i| i.name()).collect();
+    if !skipped.is_empty() {
+        eprintln!("compiled but not runnable on this CPU (not benchmarked): {}", skipped.join(", "));
+    }
+    let cases = cases(&opts.formats);
+    let total = cases.len() * variants.len() * 2 * thread_counts.len() * 2;
+    let mut done = 0;
+    let mut results = Vec::new();
+    for (ci, (format, rows, cols, origin)) in cases.iter().enumerate() {
+        let (format, rows, cols) = (*format, *rows, *cols);
+        let one = make_weights(format, rows, cols, ci as u64 + 1);
+        let bytes = matrix(format, rows, cols, &one).bytes();
+        let copies = if bytes >= 1 << 20 { (stream_bytes / bytes).max(2) } else { 0 };
+        let stream: Vec<Weights0> = (0..copies).map(|i| make_weights(format, rows, cols, 1000 + i as u64)).collect();
+        let x: Vec<f32> = (0..cols).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+        let mut y = vec![0f32; rows];
+        for k in &variants {
+            let kinds: Vec<(&str, &MatKernel)> = [
+                k.mat_kernel_specialised(format, rows, cols).map(|s| ("specialised", s)),
+                Some(("generic", k.mat_kernel_generic(format))),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            for &t in &thread_counts {
+                let pool = crate::threads::pool(t);
+                let bw = bandwidth.iter().find(|b| b.threads == t).map(|b| b.gb_per_s).unwrap_or(f64::NAN);
+                for (kind, kern) in &kinds {
+                    for residency in ["cache", "stream"] {
+                        done += 1;
+                        if residency == "stream" && stream.is_empty() {
+                            continue;
+                        }
+                        eprint!("\r[{done}/{total}] {format} {rows}x{cols} {} {kind} {t}t {residency}          ", k.isa());
+                        let mats: Vec<Matrix> = if residency == "cache" {
+                            vec![matrix(format, rows, cols, &one)]
+                        } else {
+                            stream.iter().map(|w| matrix(format, rows, cols, w)).collect()
+                        };
+                        let mut i = 0;
+                        let (med, min, max) = pool.install(|| {
+                            time_calls(
+                                || {
+                                    let m = &mats[i % mats.len()];
+                                    i += 1;
+                                    k.matvec_with(kern, m, &x, &mut y).expect("benchmark matvec");
+                                    black_box(&y);
+                                },
+                                samples,
+                                min_sample,
+                            )
+                        });
+                        let gb = bytes as f64 / med / 1e9;
+                        results.push(KernelResult {
+                            format: format.to_string(),
+                            rows,
+                            cols,
+                            origin: origin.clone(),
+                            isa: k.isa().to_string(),
+                            kernel: kind.to_string(),
+                            threads: t,
+                            residency: residency.into(),
+                            median_us: med * 1e6,
+                            min_us: min * 1e6,
+                            max_us: max * 1e6,
+                            gb_per_s: gb,
+                            gflop_per_s: 2.0 * rows as f64 * cols as f64 / med / 1e9,
+                            bandwidth_fraction: gb / bw,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    eprintln!();
+    print_table(&results);
+    print_summary(&results);
+    Ok(Results { machine, bandwidth, kernels: results })
+}
+
+fn print_table(r: &[KernelResult]) {
+    println!(
+        "{:<5} {:>11} {:<7} {:<11} {:>3} {:<6} {:>10} {:>21} {:>7} {:>8} {:>6}",
+        "fmt", "rows×cols", "isa", "kernel", "thr", "where", "median µs", "[min – max] µs", "GB/s", "GFLOP/s", "% bw"
+    );
+    for x in r {
+        println!(
+            "{:<5} {:>11} {:<7} {:<11} {:>3} {:<6} {:>10.2} {:>21} {:>7.2} {:>8.2} {:>5.0}%",
+            x.format,
+            format!("{}×{}", x.rows, x.cols),
+            x.isa,
+            x.kernel,
+            x.threads,
+            x.residency,
+            x.median_us,
+            format!("[{:.2} – {:.2}]", x.min_us, x.max_us),
+            x.gb_per_s,
+            x.gflop_per_s,
+            x.bandwidth_fraction * 100.0
+        );
+    }
+}
+
+/// The two targets: streamed weights at >= 85% of read bandwidth;
+/// cache-resident specialised >= 1.2x generic on the same ISA.
+fn print_summary(r: &[KernelResult]) {
+    println!("\nsummary (specialised kernels):");
+    for s in r.iter().filter(|x| x.kernel == "specialised") {
+        let generic = r.iter().find(|g| {
+            g.kernel == "generic"
+                && (g.format.as_str(), g.rows, g.cols, g.isa.as_str(), g.threads, g.residency.as_str())
+                    == (s.format.as_str(), s.rows, s.cols, s.isa.as_str(), s.threads, s.residency.as_str())
+        });
+        let ratio = generic.map(|g| g.median_us / s.median_us).unwrap_or(f64::NAN);
+        println!(
+            "  {:<5} {:>11} {:<7} {}t {:<6}  {:>6.1}% of read bandwidth, {:.2}x the generic kernel",
+            s.format,
+            format!("{}×{}", s.rows, s.cols),
+            s.isa,
+            s.threads,
+            s.residency,
+            s.bandwidth_fraction * 100.0,
+            ratio
+        );
+    }
+}
