@@ -36,35 +36,31 @@ static inline void bs_dec16_bf16(const void *p, bs_vf o[BS_G]) {
     o[0] = bs_bf16x8(_mm_loadu_si128((const __m128i *)p));
     o[1] = bs_bf16x8(_mm_loadu_si128((const __m128i *)p + 1));
 }
-static inline bs_vf bs_e4m3x8(__m128i b8) {
-    __m256i v = _mm256_cvtepu8_epi32(b8);
-    __m256i mag = _mm256_and_si256(v, _mm256_set1_epi32(0x7F));
-    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
-    __m256 f = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)), _mm256_set1_ps(0x1p120f));
-    f = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign));
-    __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32((int)BS_NAN_BITS));
-    return _mm256_blendv_ps(f, nan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F))));
+/* E4M3 -> F16 bits by shifting (every E4M3 value, subnormals included, is
+ * an F16 value / 256), NaN codes -> F16 NaN, then F16C converts 8 at a time
+ * and one exact multiply by 256 rescales: no f32 subnormal is ever touched. */
+static inline __m256i bs_e4m3_to_f16x16(__m128i b16) {
+    __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b16), 7);        /* s at bit 14, magnitude at 7..13 */
+    t = _mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000))); /* sign to bit 15 */
+    __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(t, _mm256_set1_epi16(0x7FFF)), _mm256_set1_epi16(0x3F80));
+    return _mm256_or_si256(t, _mm256_and_si256(nan, _mm256_set1_epi16(0x7C00)));
 }
 static inline void bs_dec16_e4m3(const void *p, bs_vf o[BS_G]) {
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    o[0] = bs_e4m3x8(b);
-    o[1] = bs_e4m3x8(_mm_srli_si128(b, 8));
+    __m256i h = bs_e4m3_to_f16x16(_mm_loadu_si128((const __m128i *)p));
+    o[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_set1_ps(256.0f));
+    o[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), _mm256_set1_ps(256.0f));
 }
-/* Magnitude by vpermps on the low 3 bits, sign from bit 3. */
-static inline bs_vf bs_e2m1x8(__m128i codes8) {
-    const __m256 mag = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
-    __m256i idx = _mm256_cvtepu8_epi32(codes8);
-    __m256 m = _mm256_permutevar8x32_ps(mag, idx);
-    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(idx, _mm256_set1_epi32(8)), 28);
-    return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(m), sign));
-}
+/* E2M1 values are F16 values whose low byte is zero: one pshufb looks up the
+ * high byte of 16 codes (sign included, so code 8 is -0), F16C converts. */
 static inline void bs_dec16_e2m1(const void *p, bs_vf o[BS_G]) {
+    const __m128i f16_hi = _mm_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, (char)0x80, (char)0xB8,
+                                         (char)0xBC, (char)0xBE, (char)0xC0, (char)0xC2, (char)0xC4, (char)0xC6);
     __m128i b = _mm_loadl_epi64((const __m128i *)p);
     __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
     __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-    __m128i codes = _mm_unpacklo_epi8(lo, hi);
-    o[0] = bs_e2m1x8(codes);
-    o[1] = bs_e2m1x8(_mm_srli_si128(codes, 8));
+    __m128i h = _mm_shuffle_epi8(f16_hi, _mm_unpacklo_epi8(lo, hi));
+    o[0] = _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), h));
+    o[1] = _mm256_cvtph_ps(_mm_unpackhi_epi8(_mm_setzero_si128(), h));
 }
 
 static inline void bs_store16(float *t, const bs_vf a[BS_G]) { _mm256_storeu_ps(t, a[0]); _mm256_storeu_ps(t + 8, a[1]); }

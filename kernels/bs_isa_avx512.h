@@ -30,14 +30,14 @@ static inline void bs_dec16_bf16(const void *p, bs_vf o[BS_G]) {
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     o[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+/* E4M3 -> F16 bits by shifting (exact for every code, subnormals included,
+ * value / 256), NaN codes -> F16 NaN; vcvtph2ps then one exact multiply. */
 static inline void bs_dec16_e4m3(const void *p, bs_vf o[BS_G]) {
-    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7F));
-    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
-    __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)), _mm512_set1_ps(0x1p120f));
-    f = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
-    __mmask16 isnan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F));
-    o[0] = _mm512_mask_blend_ps(isnan, f, _mm512_castsi512_ps(_mm512_set1_epi32((int)BS_NAN_BITS)));
+    __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
+    t = _mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000)));
+    __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(t, _mm256_set1_epi16(0x7FFF)), _mm256_set1_epi16(0x3F80));
+    t = _mm256_or_si256(t, _mm256_and_si256(nan, _mm256_set1_epi16(0x7C00)));
+    o[0] = _mm512_mul_ps(_mm512_cvtph_ps(t), _mm512_set1_ps(256.0f));
 }
 /* All 16 E2M1 values in one register; vpermps looks up 16 codes at once. */
 static inline void bs_dec16_e2m1(const void *p, bs_vf o[BS_G]) {
