@@ -194,6 +194,8 @@ struct Defaults {
     eps: f64,
     /// None: hidden_size / num_attention_heads.
     head_dim: Option<usize>,
+    /// None: num_attention_heads.
+    kv_heads: Option<usize>,
     tie: bool,
 }
 
@@ -202,7 +204,7 @@ fn parse_common(f: &Fields, d: &Defaults) -> Result<Common, ConfigError> {
     let inter = f.usize("intermediate_size", Some(d.inter), 1, MAX_DIM)?;
     let layers = f.usize("num_hidden_layers", Some(d.layers), 1, MAX_LAYERS)?;
     let heads = f.usize("num_attention_heads", Some(d.heads), 1, 4096)?;
-    let kv_heads = f.usize("num_key_value_heads", Some(heads), 1, 4096)?;
+    let kv_heads = f.usize("num_key_value_heads", Some(d.kv_heads.unwrap_or(heads)), 1, 4096)?;
     if heads % kv_heads != 0 {
         return Err(f.err(
             "num_key_value_heads",
@@ -263,6 +265,7 @@ fn parse_llama_like(f: &Fields, model_type: &str, family: Family) -> Result<Mode
             max_pos: 32768,
             eps: 1e-6,
             head_dim: None,
+            kv_heads: None,
             tie: false,
         },
         (_, Family::Qwen3) => Defaults {
@@ -274,6 +277,7 @@ fn parse_llama_like(f: &Fields, model_type: &str, family: Family) -> Result<Mode
             max_pos: 32768,
             eps: 1e-6,
             head_dim: Some(128),
+            kv_heads: None,
             tie: false,
         },
         (_, Family::Qwen3Moe) => Defaults {
@@ -285,6 +289,7 @@ fn parse_llama_like(f: &Fields, model_type: &str, family: Family) -> Result<Mode
             max_pos: 32768,
             eps: 1e-6,
             head_dim: None,
+            kv_heads: None,
             tie: false,
         },
         _ => Defaults {
@@ -296,6 +301,7 @@ fn parse_llama_like(f: &Fields, model_type: &str, family: Family) -> Result<Mode
             max_pos: 2048,
             eps: 1e-6,
             head_dim: None,
+            kv_heads: None,
             tie: false,
         },
     };
@@ -361,6 +367,7 @@ fn parse_dsv4(f: &Fields, model_type: &str) -> Result<ModelConfig, ConfigError> 
         max_pos: 1048576,
         eps: 1e-6,
         head_dim: Some(512),
+        kv_heads: Some(1),
         tie: false,
     };
     let c = parse_common(f, &d)?;

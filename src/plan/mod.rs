@@ -414,12 +414,12 @@ pub struct Plan {
     pub notes: Vec<String>,
 }
 
-/// Resolve a BESPOKE_MODEL entry (a directory or a config.json) to the config file.
+/// Resolve a model entry (a directory, or a `.json` config file) to the config file.
 pub fn config_path(entry: &std::path::Path) -> std::path::PathBuf {
-    if entry.is_dir() {
-        entry.join("config.json")
-    } else {
+    if entry.extension().is_some_and(|e| e == "json") && !entry.is_dir() {
         entry.to_path_buf()
+    } else {
+        entry.join("config.json")
     }
 }
 
