@@ -11,7 +11,11 @@ fn main() {
     let opts = bespoke::bench::Options {
         threads,
         quick,
-        formats: vec![bespoke::plan::Format::Bf16, bespoke::plan::Format::Fp8, bespoke::plan::Format::Fp4],
+        formats: vec![
+            bespoke::plan::Format::Bf16,
+            bespoke::plan::Format::Fp8,
+            bespoke::plan::Format::Fp4,
+        ],
     };
     if let Err(e) = bespoke::bench::kernels(&opts) {
         eprintln!("bench: {e}");

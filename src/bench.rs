@@ -98,7 +98,9 @@ fn time_calls(mut f: impl FnMut(), samples: usize, min_sample: Duration) -> (f64
         if e >= min_sample || batch >= 1 << 20 {
             break;
         }
-        batch = (batch * 2).max((batch as f64 * min_sample.as_secs_f64() / e.as_secs_f64().max(1e-9)) as usize / 2);
+        batch = (batch * 2).max(
+            (batch as f64 * min_sample.as_secs_f64() / e.as_secs_f64().max(1e-9)) as usize / 2,
+        );
     }
     let mut v: Vec<f64> = (0..samples)
         .map(|_| {
@@ -134,7 +136,13 @@ fn stream_read(buf: &[u64]) -> u64 {
 /// Read bandwidth in GB/s with the current pool.
 pub fn read_bandwidth(bytes: usize, samples: usize) -> f64 {
     let buf: Vec<u64> = (0..bytes / 8).map(|i| i as u64).collect();
-    let (med, _, _) = time_calls(|| { black_box(stream_read(black_box(&buf))); }, samples, Duration::from_millis(1));
+    let (med, _, _) = time_calls(
+        || {
+            black_box(stream_read(black_box(&buf)));
+        },
+        samples,
+        Duration::from_millis(1),
+    );
     bytes as f64 / med / 1e9
 }
 
@@ -155,9 +163,18 @@ fn make_weights(format: Format, rows: usize, cols: usize, seed: u64) -> Weights0
         x ^= x << 17;
         x
     };
-    let mut w = Weights0 { f: vec![], h: vec![], b: vec![], s: vec![] };
+    let mut w = Weights0 {
+        f: vec![],
+        h: vec![],
+        b: vec![],
+        s: vec![],
+    };
     match format {
-        Format::F32 => w.f = (0..n).map(|_| (next() % 1000) as f32 / 1000.0 - 0.5).collect(),
+        Format::F32 => {
+            w.f = (0..n)
+                .map(|_| (next() % 1000) as f32 / 1000.0 - 0.5)
+                .collect()
+        }
         Format::Bf16 => w.h = (0..n).map(|_| 0x3C00 | (next() % 0x100) as u16).collect(),
         Format::Fp8 | Format::Fp4 => {
             let bytes = if format == Format::Fp8 { n } else { n / 2 };
@@ -173,8 +190,14 @@ fn matrix(format: Format, rows: usize, cols: usize, w: &Weights0) -> Matrix<'_> 
     let ws = match format {
         Format::F32 => Weights::F32(&w.f),
         Format::Bf16 => Weights::Bf16(&w.h),
-        Format::Fp8 => Weights::Fp8 { w: &w.b, scale: &w.s },
-        Format::Fp4 => Weights::Fp4 { w: &w.b, scale: &w.s },
+        Format::Fp8 => Weights::Fp8 {
+            w: &w.b,
+            scale: &w.s,
+        },
+        Format::Fp4 => Weights::Fp4 {
+            w: &w.b,
+            scale: &w.s,
+        },
     };
     Matrix::new(rows, cols, ws).expect("benchmark matrix")
 }
@@ -195,8 +218,17 @@ fn cases(formats: &[Format]) -> Vec<(Format, usize, usize, String)> {
     for m in &plan.models {
         if m.source.contains("fixtures/tiny") {
             for u in &m.matrices {
-                if formats.contains(&u.format) && !out.iter().any(|c| (c.0, c.1, c.2) == (u.format, u.rows, u.cols)) {
-                    out.push((u.format, u.rows, u.cols, format!("{}: {}", crate::report::short_source(&m.source), u.name)));
+                if formats.contains(&u.format)
+                    && !out
+                        .iter()
+                        .any(|c| (c.0, c.1, c.2) == (u.format, u.rows, u.cols))
+                {
+                    out.push((
+                        u.format,
+                        u.rows,
+                        u.cols,
+                        format!("{}: {}", crate::report::short_source(&m.source), u.name),
+                    ));
                 }
             }
         }
@@ -214,7 +246,11 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
     };
     let samples = if opts.quick { 3 } else { 9 };
     let min_sample = Duration::from_millis(if opts.quick { 1 } else { 20 });
-    let stream_bytes = if opts.quick { 2 * llc } else { (4 * llc).max(256 << 20) };
+    let stream_bytes = if opts.quick {
+        2 * llc
+    } else {
+        (4 * llc).max(256 << 20)
+    };
     let mut thread_counts = vec![1];
     if opts.threads > 1 {
         thread_counts.push(opts.threads);
@@ -230,14 +266,30 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
     for &t in &thread_counts {
         let pool = crate::threads::pool(t);
         let gb = pool.install(|| read_bandwidth(stream_bytes, samples));
-        eprintln!("read bandwidth, {t} thread(s), {} MiB buffer: {gb:.1} GB/s", stream_bytes >> 20);
-        bandwidth.push(Bandwidth { threads: t, bytes: stream_bytes, gb_per_s: gb });
+        eprintln!(
+            "read bandwidth, {t} thread(s), {} MiB buffer: {gb:.1} GB/s",
+            stream_bytes >> 20
+        );
+        bandwidth.push(Bandwidth {
+            threads: t,
+            bytes: stream_bytes,
+            gb_per_s: gb,
+        });
     }
-    let variants: Vec<Kernels> = COMPILED_ISAS.iter().filter_map(|&i| Kernels::with_isa(i).ok()).collect();
-    let skipped: Vec<&str> =
-        COMPILED_ISAS.iter().filter(|i| !variants.iter().any(|k| k.isa() == **i)).map(|i| i.name()).collect();
+    let variants: Vec<Kernels> = COMPILED_ISAS
+        .iter()
+        .filter_map(|&i| Kernels::with_isa(i).ok())
+        .collect();
+    let skipped: Vec<&str> = COMPILED_ISAS
+        .iter()
+        .filter(|i| !variants.iter().any(|k| k.isa() == **i))
+        .map(|i| i.name())
+        .collect();
     if !skipped.is_empty() {
-        eprintln!("compiled but not runnable on this CPU (not benchmarked): {}", skipped.join(", "));
+        eprintln!(
+            "compiled but not runnable on this CPU (not benchmarked): {}",
+            skipped.join(", ")
+        );
     }
     let cases = cases(&opts.formats);
     let total = cases.len() * variants.len() * 2 * thread_counts.len() * 2;
@@ -247,13 +299,22 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
         let (format, rows, cols) = (*format, *rows, *cols);
         let one = make_weights(format, rows, cols, ci as u64 + 1);
         let bytes = matrix(format, rows, cols, &one).bytes();
-        let copies = if bytes >= 1 << 20 { (stream_bytes / bytes).max(2) } else { 0 };
-        let stream: Vec<Weights0> = (0..copies).map(|i| make_weights(format, rows, cols, 1000 + i as u64)).collect();
-        let x: Vec<f32> = (0..cols).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+        let copies = if bytes >= 1 << 20 {
+            (stream_bytes / bytes).max(2)
+        } else {
+            0
+        };
+        let stream: Vec<Weights0> = (0..copies)
+            .map(|i| make_weights(format, rows, cols, 1000 + i as u64))
+            .collect();
+        let x: Vec<f32> = (0..cols)
+            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
         let mut y = vec![0f32; rows];
         for k in &variants {
             let kinds: Vec<(&str, &MatKernel)> = [
-                k.mat_kernel_specialised(format, rows, cols).map(|s| ("specialised", s)),
+                k.mat_kernel_specialised(format, rows, cols)
+                    .map(|s| ("specialised", s)),
                 Some(("generic", k.mat_kernel_generic(format))),
             ]
             .into_iter()
@@ -261,7 +322,11 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             .collect();
             for &t in &thread_counts {
                 let pool = crate::threads::pool(t);
-                let bw = bandwidth.iter().find(|b| b.threads == t).map(|b| b.gb_per_s).unwrap_or(f64::NAN);
+                let bw = bandwidth
+                    .iter()
+                    .find(|b| b.threads == t)
+                    .map(|b| b.gb_per_s)
+                    .unwrap_or(f64::NAN);
                 for (kind, kern) in &kinds {
                     for residency in ["cache", "stream"] {
                         done += 1;
@@ -272,7 +337,10 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                         let mats: Vec<Matrix> = if residency == "cache" {
                             vec![matrix(format, rows, cols, &one)]
                         } else {
-                            stream.iter().map(|w| matrix(format, rows, cols, w)).collect()
+                            stream
+                                .iter()
+                                .map(|w| matrix(format, rows, cols, w))
+                                .collect()
                         };
                         let mut i = 0;
                         let (med, min, max) = pool.install(|| {
@@ -280,7 +348,8 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                                 || {
                                     let m = &mats[i % mats.len()];
                                     i += 1;
-                                    k.matvec_with(kern, m, &x, &mut y).expect("benchmark matvec");
+                                    k.matvec_with(kern, m, &x, &mut y)
+                                        .expect("benchmark matvec");
                                     black_box(&y);
                                 },
                                 samples,
@@ -312,13 +381,27 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
     eprintln!();
     print_table(&results);
     print_summary(&results);
-    Ok(Results { machine, bandwidth, kernels: results })
+    Ok(Results {
+        machine,
+        bandwidth,
+        kernels: results,
+    })
 }
 
 fn print_table(r: &[KernelResult]) {
     println!(
         "{:<5} {:>11} {:<7} {:<11} {:>3} {:<6} {:>10} {:>21} {:>7} {:>8} {:>6}",
-        "fmt", "rows×cols", "isa", "kernel", "thr", "where", "median µs", "[min – max] µs", "GB/s", "GFLOP/s", "% bw"
+        "fmt",
+        "rows×cols",
+        "isa",
+        "kernel",
+        "thr",
+        "where",
+        "median µs",
+        "[min – max] µs",
+        "GB/s",
+        "GFLOP/s",
+        "% bw"
     );
     for x in r {
         println!(
@@ -345,10 +428,25 @@ fn print_summary(r: &[KernelResult]) {
     for s in r.iter().filter(|x| x.kernel == "specialised") {
         let generic = r.iter().find(|g| {
             g.kernel == "generic"
-                && (g.format.as_str(), g.rows, g.cols, g.isa.as_str(), g.threads, g.residency.as_str())
-                    == (s.format.as_str(), s.rows, s.cols, s.isa.as_str(), s.threads, s.residency.as_str())
+                && (
+                    g.format.as_str(),
+                    g.rows,
+                    g.cols,
+                    g.isa.as_str(),
+                    g.threads,
+                    g.residency.as_str(),
+                ) == (
+                    s.format.as_str(),
+                    s.rows,
+                    s.cols,
+                    s.isa.as_str(),
+                    s.threads,
+                    s.residency.as_str(),
+                )
         });
-        let ratio = generic.map(|g| g.median_us / s.median_us).unwrap_or(f64::NAN);
+        let ratio = generic
+            .map(|g| g.median_us / s.median_us)
+            .unwrap_or(f64::NAN);
         println!(
             "  {:<5} {:>11} {:<7} {}t {:<6}  {:>6.1}% of read bandwidth, {:.2}x the generic kernel",
             s.format,

@@ -40,7 +40,11 @@ pub fn missing_features(isa: Isa) -> Vec<&'static str> {
     if desc.arch != "any" && desc.arch != std::env::consts::ARCH {
         return vec![desc.arch];
     }
-    desc.cpu_features.iter().copied().filter(|f| !has_feature(f)).collect()
+    desc.cpu_features
+        .iter()
+        .copied()
+        .filter(|f| !has_feature(f))
+        .collect()
 }
 
 /// Physical cores (the default thread count).
@@ -54,7 +58,11 @@ pub fn cpu_name() -> String {
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("model name") || l.starts_with("Model") || l.starts_with("CPU part"))
+                .find(|l| {
+                    l.starts_with("model name")
+                        || l.starts_with("Model")
+                        || l.starts_with("CPU part")
+                })
                 .and_then(|l| l.split(':').nth(1))
                 .map(|v| v.trim().to_string())
         })

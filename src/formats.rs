@@ -8,8 +8,9 @@
 pub const NAN_BITS: u32 = 0x7FC0_0000;
 
 /// E2M1 (FP4) values of codes 0..15: 0 .5 1 1.5 2 3 4 6, then negated.
-pub const E2M1_VALUES: [f32; 16] =
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+pub const E2M1_VALUES: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
 
 pub fn e2m1_to_f32(code: u8) -> f32 {
     E2M1_VALUES[(code & 0xF) as usize]
@@ -29,7 +30,11 @@ pub fn e4m3_to_f32(b: u8) -> f32 {
     }
     let e = (mag >> 3) as i32;
     let m = (mag & 7) as f32;
-    let v = if e == 0 { m * 2f32.powi(-9) } else { (1.0 + m / 8.0) * 2f32.powi(e - 7) };
+    let v = if e == 0 {
+        m * 2f32.powi(-9)
+    } else {
+        (1.0 + m / 8.0) * 2f32.powi(e - 7)
+    };
     if b & 0x80 != 0 {
         -v
     } else {

@@ -7,13 +7,38 @@ use std::ffi::c_void;
 use std::fmt;
 use std::sync::OnceLock;
 
-#[allow(non_upper_case_globals, non_camel_case_types, non_snake_case, dead_code, clippy::all)]
+#[allow(
+    non_upper_case_globals,
+    non_camel_case_types,
+    non_snake_case,
+    dead_code,
+    clippy::all
+)]
 mod ffi {
     include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 }
 
-pub type MatvecFn = unsafe extern "C" fn(*const c_void, *const u8, *const f32, *mut f32, usize, usize, usize, usize);
-pub type MatmulFn = unsafe extern "C" fn(*const c_void, *const u8, *const f32, *mut f32, usize, usize, usize, usize, usize);
+pub type MatvecFn = unsafe extern "C" fn(
+    *const c_void,
+    *const u8,
+    *const f32,
+    *mut f32,
+    usize,
+    usize,
+    usize,
+    usize,
+);
+pub type MatmulFn = unsafe extern "C" fn(
+    *const c_void,
+    *const u8,
+    *const f32,
+    *mut f32,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+);
 pub type AttnFn = unsafe extern "C" fn(
     *const f32,
     *const f32,
@@ -58,7 +83,11 @@ pub const BUILD_PLAN_JSON: &str = include_str!(concat!(env!("OUT_DIR"), "/plan.j
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum KernelError {
     #[error("{what}: expected {expected} elements, found {found}")]
-    Length { what: String, expected: usize, found: usize },
+    Length {
+        what: String,
+        expected: usize,
+        found: usize,
+    },
     #[error("{0}")]
     Shape(String),
     #[error("BESPOKE_KERNELS={0:?} is not a kernel variant; expected one of: scalar, avx2, avx512, neon (or auto)")]
@@ -66,7 +95,11 @@ pub enum KernelError {
     #[error("the {isa} kernels were not compiled into this binary (compiled: {compiled}); rebuild with the `{isa}` feature on a target that has it")]
     NotCompiled { isa: Isa, compiled: String },
     #[error("this CPU lacks {missing} needed by the {isa} kernels; the variants this CPU can run: {runnable}")]
-    CpuLacks { isa: Isa, missing: String, runnable: String },
+    CpuLacks {
+        isa: Isa,
+        missing: String,
+        runnable: String,
+    },
 }
 
 /// Weight data of a matrix, in one of the kernel formats.
@@ -76,9 +109,15 @@ pub enum Weights<'a> {
     /// BF16 bit patterns.
     Bf16(&'a [u16]),
     /// E4M3FN codes [rows, cols] and UE8M0 scales [ceil(rows/128), ceil(cols/128)].
-    Fp8 { w: &'a [u8], scale: &'a [u8] },
+    Fp8 {
+        w: &'a [u8],
+        scale: &'a [u8],
+    },
     /// Packed E2M1 codes [rows, cols/2] (low nibble = even column) and UE8M0 scales [rows, cols/32].
-    Fp4 { w: &'a [u8], scale: &'a [u8] },
+    Fp4 {
+        w: &'a [u8],
+        scale: &'a [u8],
+    },
 }
 
 /// A weight matrix whose buffers have been checked against its shape.
@@ -91,7 +130,11 @@ pub struct Matrix<'a> {
 
 fn check_len(what: &str, expected: usize, found: usize) -> Result<(), KernelError> {
     if expected != found {
-        return Err(KernelError::Length { what: what.into(), expected, found });
+        return Err(KernelError::Length {
+            what: what.into(),
+            expected,
+            found,
+        });
     }
     Ok(())
 }
@@ -108,7 +151,9 @@ impl<'a> Matrix<'a> {
         if let Some(p) = format.shape_problem(rows, cols) {
             return Err(KernelError::Shape(p));
         }
-        let n = rows.checked_mul(cols).ok_or_else(|| KernelError::Shape(format!("{rows}×{cols} overflows")))?;
+        let n = rows
+            .checked_mul(cols)
+            .ok_or_else(|| KernelError::Shape(format!("{rows}×{cols} overflows")))?;
         match weights {
             Weights::F32(w) => check_len("f32 weights", n, w.len())?,
             Weights::Bf16(w) => check_len("bf16 weights", n, w.len())?,
@@ -123,7 +168,11 @@ impl<'a> Matrix<'a> {
                 check_len(&format!("fp4 scales [{sr}, {sc}]"), sr * sc, scale.len())?;
             }
         }
-        Ok(Matrix { rows, cols, weights })
+        Ok(Matrix {
+            rows,
+            cols,
+            weights,
+        })
     }
     pub fn rows(&self) -> usize {
         self.rows
@@ -154,7 +203,9 @@ impl<'a> Matrix<'a> {
         match self.weights {
             Weights::F32(w) => (w.as_ptr().cast(), std::ptr::null()),
             Weights::Bf16(w) => (w.as_ptr().cast(), std::ptr::null()),
-            Weights::Fp8 { w, scale } | Weights::Fp4 { w, scale } => (w.as_ptr().cast(), scale.as_ptr()),
+            Weights::Fp8 { w, scale } | Weights::Fp4 { w, scale } => {
+                (w.as_ptr().cast(), scale.as_ptr())
+            }
         }
     }
 }
@@ -172,7 +223,10 @@ unsafe impl<T> Sync for SendPtr<T> {}
 /// Split 0..n into about `parts` ranges whose length is a multiple of `align`.
 fn split(n: usize, parts: usize, align: usize) -> Vec<(usize, usize)> {
     let chunk = n.div_ceil(parts.max(1)).div_ceil(align).max(1) * align;
-    (0..n).step_by(chunk).map(|s| (s, (s + chunk).min(n))).collect()
+    (0..n)
+        .step_by(chunk)
+        .map(|s| (s, (s + chunk).min(n)))
+        .collect()
 }
 
 /// Below this many weight elements per call, threads cost more than they save.
@@ -213,20 +267,34 @@ pub struct Choice {
 }
 
 fn compiled_list() -> String {
-    COMPILED_ISAS.iter().map(|i| i.name()).collect::<Vec<_>>().join(", ")
+    COMPILED_ISAS
+        .iter()
+        .map(|i| i.name())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 impl Kernels {
     /// Kernels of `isa`, if compiled in and supported by this CPU.
     pub fn with_isa(isa: Isa) -> Result<Kernels, KernelError> {
         if !COMPILED_ISAS.contains(&isa) {
-            return Err(KernelError::NotCompiled { isa, compiled: compiled_list() });
+            return Err(KernelError::NotCompiled {
+                isa,
+                compiled: compiled_list(),
+            });
         }
         let missing = crate::cpu::missing_features(isa);
         if !missing.is_empty() {
-            let runnable: Vec<&str> =
-                COMPILED_ISAS.iter().filter(|i| crate::cpu::missing_features(**i).is_empty()).map(|i| i.name()).collect();
-            return Err(KernelError::CpuLacks { isa, missing: missing.join(", "), runnable: runnable.join(", ") });
+            let runnable: Vec<&str> = COMPILED_ISAS
+                .iter()
+                .filter(|i| crate::cpu::missing_features(**i).is_empty())
+                .map(|i| i.name())
+                .collect();
+            return Err(KernelError::CpuLacks {
+                isa,
+                missing: missing.join(", "),
+                runnable: runnable.join(", "),
+            });
         }
         Ok(Kernels { isa })
     }
@@ -244,7 +312,10 @@ impl Kernels {
 
     /// Choose from a BESPOKE_KERNELS value (None / "" / "auto" = best).
     pub fn choose(request: Option<&str>) -> Result<Choice, KernelError> {
-        match request.map(str::trim).filter(|s| !s.is_empty() && *s != "auto") {
+        match request
+            .map(str::trim)
+            .filter(|s| !s.is_empty() && *s != "auto")
+        {
             None => {
                 let k = Kernels::best();
                 let reason = format!(
@@ -254,9 +325,13 @@ impl Kernels {
                 Ok(Choice { kernels: k, reason })
             }
             Some(name) => {
-                let isa = Isa::parse(name).ok_or_else(|| KernelError::UnknownVariant(name.into()))?;
+                let isa =
+                    Isa::parse(name).ok_or_else(|| KernelError::UnknownVariant(name.into()))?;
                 let k = Kernels::with_isa(isa)?;
-                Ok(Choice { kernels: k, reason: format!("forced by BESPOKE_KERNELS={name}") })
+                Ok(Choice {
+                    kernels: k,
+                    reason: format!("forced by BESPOKE_KERNELS={name}"),
+                })
             }
         }
     }
@@ -264,7 +339,9 @@ impl Kernels {
     /// The process-wide choice from BESPOKE_KERNELS, made once.
     pub fn from_env() -> Result<Choice, KernelError> {
         static CHOICE: OnceLock<Result<Choice, KernelError>> = OnceLock::new();
-        CHOICE.get_or_init(|| Kernels::choose(std::env::var("BESPOKE_KERNELS").ok().as_deref())).clone()
+        CHOICE
+            .get_or_init(|| Kernels::choose(std::env::var("BESPOKE_KERNELS").ok().as_deref()))
+            .clone()
     }
 
     pub fn isa(&self) -> Isa {
@@ -274,11 +351,19 @@ impl Kernels {
     /// The kernel for a matrix: specialised on its shape when the build made
     /// one, else generic.
     pub fn mat_kernel(&self, format: Format, rows: usize, cols: usize) -> &'static MatKernel {
-        self.mat_kernel_specialised(format, rows, cols).unwrap_or_else(|| self.mat_kernel_generic(format))
+        self.mat_kernel_specialised(format, rows, cols)
+            .unwrap_or_else(|| self.mat_kernel_generic(format))
     }
 
-    pub fn mat_kernel_specialised(&self, format: Format, rows: usize, cols: usize) -> Option<&'static MatKernel> {
-        MAT_KERNELS.iter().find(|k| k.isa == self.isa && k.format == format && k.shape == Some((rows, cols)))
+    pub fn mat_kernel_specialised(
+        &self,
+        format: Format,
+        rows: usize,
+        cols: usize,
+    ) -> Option<&'static MatKernel> {
+        MAT_KERNELS
+            .iter()
+            .find(|k| k.isa == self.isa && k.format == format && k.shape == Some((rows, cols)))
     }
 
     pub fn mat_kernel_generic(&self, format: Format) -> &'static MatKernel {
@@ -292,7 +377,11 @@ impl Kernels {
         ATTN_KERNELS
             .iter()
             .find(|k| k.isa == self.isa && k.shape == Some(shape))
-            .or_else(|| ATTN_KERNELS.iter().find(|k| k.isa == self.isa && k.shape.is_none()))
+            .or_else(|| {
+                ATTN_KERNELS
+                    .iter()
+                    .find(|k| k.isa == self.isa && k.shape.is_none())
+            })
             .expect("build.rs emits a generic attention kernel for every compiled ISA")
     }
 
@@ -302,7 +391,13 @@ impl Kernels {
     }
 
     /// Y[n][rows] = W X[n][cols], X and Y row-major by token.
-    pub fn matmul(&self, m: &Matrix, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), KernelError> {
+    pub fn matmul(
+        &self,
+        m: &Matrix,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
         self.matmul_with(self.mat_kernel(m.format(), m.rows, m.cols), m, x, n, y)
     }
 
@@ -328,12 +423,23 @@ impl Kernels {
     }
 
     /// y = W x with a given kernel (for benchmarks: specialised vs generic).
-    pub fn matvec_with(&self, k: &MatKernel, m: &Matrix, x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
+    pub fn matvec_with(
+        &self,
+        k: &MatKernel,
+        m: &Matrix,
+        x: &[f32],
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
         self.check_kernel(k, m)?;
         check_len("matvec input x", m.cols, x.len())?;
         check_len("matvec output y", m.rows, y.len())?;
         let (w, s) = m.ptrs();
-        let (w, s, xp, yp) = (SendPtr(w), SendPtr(s), SendPtr(x.as_ptr()), SendPtr(y.as_mut_ptr()));
+        let (w, s, xp, yp) = (
+            SendPtr(w),
+            SendPtr(s),
+            SendPtr(x.as_ptr()),
+            SendPtr(y.as_mut_ptr()),
+        );
         let f = k.matvec;
         let (rows, cols) = (m.rows, m.cols);
         let run = move |r0: usize, r1: usize| {
@@ -364,7 +470,10 @@ impl Kernels {
         check_len("matvec input x", m.cols, x.len())?;
         check_len("matvec output y", m.rows, y.len())?;
         if r0 > r1 || r1 > m.rows {
-            return Err(KernelError::Shape(format!("row range {r0}..{r1} outside 0..{}", m.rows)));
+            return Err(KernelError::Shape(format!(
+                "row range {r0}..{r1} outside 0..{}",
+                m.rows
+            )));
         }
         let (w, s) = m.ptrs();
         // SAFETY: lengths checked as in matvec_with and r0 <= r1 <= rows.
@@ -373,17 +482,33 @@ impl Kernels {
     }
 
     /// Y = W X with a given kernel.
-    pub fn matmul_with(&self, k: &MatKernel, m: &Matrix, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), KernelError> {
+    pub fn matmul_with(
+        &self,
+        k: &MatKernel,
+        m: &Matrix,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
         self.check_kernel(k, m)?;
-        let xn = n.checked_mul(m.cols).ok_or_else(|| KernelError::Shape("n × cols overflows".into()))?;
-        let yn = n.checked_mul(m.rows).ok_or_else(|| KernelError::Shape("n × rows overflows".into()))?;
+        let xn = n
+            .checked_mul(m.cols)
+            .ok_or_else(|| KernelError::Shape("n × cols overflows".into()))?;
+        let yn = n
+            .checked_mul(m.rows)
+            .ok_or_else(|| KernelError::Shape("n × rows overflows".into()))?;
         check_len(&format!("matmul input X [{n}, {}]", m.cols), xn, x.len())?;
         check_len(&format!("matmul output Y [{n}, {}]", m.rows), yn, y.len())?;
         if n == 0 {
             return Ok(());
         }
         let (w, s) = m.ptrs();
-        let (w, s, xp, yp) = (SendPtr(w), SendPtr(s), SendPtr(x.as_ptr()), SendPtr(y.as_mut_ptr()));
+        let (w, s, xp, yp) = (
+            SendPtr(w),
+            SendPtr(s),
+            SendPtr(x.as_ptr()),
+            SendPtr(y.as_mut_ptr()),
+        );
         let f = k.matmul;
         let (rows, cols) = (m.rows, m.cols);
         let run = move |r0: usize, r1: usize| {
@@ -410,14 +535,30 @@ impl Kernels {
 
     /// Attention for one query position; `out` is [n_heads, head_dim].
     pub fn attn_decode(&self, a: &AttnArgs, out: &mut [f32]) -> Result<(), KernelError> {
-        let shape = AttnShape { head_dim: a.head_dim, n_heads: a.n_heads, n_kv_heads: a.n_kv_heads };
+        let shape = AttnShape {
+            head_dim: a.head_dim,
+            n_heads: a.n_heads,
+            n_kv_heads: a.n_kv_heads,
+        };
         self.attn_decode_with(self.attn_kernel(shape), a, out)
     }
 
-    pub fn attn_decode_with(&self, k: &AttnKernel, a: &AttnArgs, out: &mut [f32]) -> Result<(), KernelError> {
-        let shape = AttnShape { head_dim: a.head_dim, n_heads: a.n_heads, n_kv_heads: a.n_kv_heads };
+    pub fn attn_decode_with(
+        &self,
+        k: &AttnKernel,
+        a: &AttnArgs,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let shape = AttnShape {
+            head_dim: a.head_dim,
+            n_heads: a.n_heads,
+            n_kv_heads: a.n_kv_heads,
+        };
         if k.isa != self.isa || k.shape.is_some_and(|s| s != shape) {
-            return Err(KernelError::Shape(format!("attention kernel {:?} used for {shape:?}", k.shape)));
+            return Err(KernelError::Shape(format!(
+                "attention kernel {:?} used for {shape:?}",
+                k.shape
+            )));
         }
         if a.n_heads == 0 || a.n_kv_heads == 0 || a.head_dim == 0 || a.n_heads % a.n_kv_heads != 0 {
             return Err(KernelError::Shape(format!(
@@ -426,7 +567,9 @@ impl Kernels {
             )));
         }
         if a.t_len == 0 {
-            return Err(KernelError::Shape("attention over an empty KV cache (t_len = 0)".into()));
+            return Err(KernelError::Shape(
+                "attention over an empty KV cache (t_len = 0)".into(),
+            ));
         }
         if a.kv_stride < a.n_kv_heads * a.head_dim {
             return Err(KernelError::Shape(format!(
@@ -434,8 +577,16 @@ impl Kernels {
                 a.kv_stride, a.n_kv_heads, a.head_dim
             )));
         }
-        check_len("attention query [n_heads, head_dim]", a.n_heads * a.head_dim, a.q.len())?;
-        check_len("attention output [n_heads, head_dim]", a.n_heads * a.head_dim, out.len())?;
+        check_len(
+            "attention query [n_heads, head_dim]",
+            a.n_heads * a.head_dim,
+            a.q.len(),
+        )?;
+        check_len(
+            "attention output [n_heads, head_dim]",
+            a.n_heads * a.head_dim,
+            out.len(),
+        )?;
         let kv_needed = (a.t_len - 1) * a.kv_stride + a.n_kv_heads * a.head_dim;
         for (what, buf) in [("keys", a.k), ("values", a.v)] {
             if buf.len() < kv_needed {
@@ -451,11 +602,22 @@ impl Kernels {
         }
         let scratch_len = a.t_len.div_ceil(16) * 16;
         let f = k.f;
-        let (q, kp, vp) = (SendPtr(a.q.as_ptr()), SendPtr(a.k.as_ptr()), SendPtr(a.v.as_ptr()));
+        let (q, kp, vp) = (
+            SendPtr(a.q.as_ptr()),
+            SendPtr(a.k.as_ptr()),
+            SendPtr(a.v.as_ptr()),
+        );
         let sp = SendPtr(a.sinks.map(|s| s.as_ptr()).unwrap_or(std::ptr::null()));
         let op = SendPtr(out.as_mut_ptr());
-        let (nh, nkv, hd, stride, t_len, window, scale) =
-            (a.n_heads, a.n_kv_heads, a.head_dim, a.kv_stride, a.t_len, a.window, a.scale);
+        let (nh, nkv, hd, stride, t_len, window, scale) = (
+            a.n_heads,
+            a.n_kv_heads,
+            a.head_dim,
+            a.kv_stride,
+            a.t_len,
+            a.window,
+            a.scale,
+        );
         let run = move |h0: usize, h1: usize| {
             let (q, kp, vp, sp, op) = (q, kp, vp, sp, op);
             let mut scratch = vec![0f32; scratch_len];
@@ -464,7 +626,23 @@ impl Kernels {
             // (all checked above); scratch holds t_len rounded up to 16.
             // Concurrent calls write disjoint heads h0..h1 of out.
             unsafe {
-                f(q.0, kp.0, vp.0, sp.0, op.0, scratch.as_mut_ptr(), nh, nkv, hd, stride, t_len, window, scale, h0, h1)
+                f(
+                    q.0,
+                    kp.0,
+                    vp.0,
+                    sp.0,
+                    op.0,
+                    scratch.as_mut_ptr(),
+                    nh,
+                    nkv,
+                    hd,
+                    stride,
+                    t_len,
+                    window,
+                    scale,
+                    h0,
+                    h1,
+                )
             }
         };
         let threads = rayon::current_num_threads();
@@ -472,7 +650,9 @@ impl Kernels {
             run(0, nh);
         } else {
             use rayon::prelude::*;
-            split(nh, threads, 1).into_par_iter().for_each(|(h0, h1)| run(h0, h1));
+            split(nh, threads, 1)
+                .into_par_iter()
+                .for_each(|(h0, h1)| run(h0, h1));
         }
         Ok(())
     }

@@ -36,7 +36,9 @@ pub fn weight(m: &Matrix, r: usize, c: usize) -> f32 {
 fn scale(m: &Matrix, r: usize, b: usize) -> f32 {
     let cols = m.cols();
     match m.weights() {
-        Weights::Fp8 { scale, .. } => formats::e8m0_to_f32(scale[(r / 128) * cols.div_ceil(128) + b]),
+        Weights::Fp8 { scale, .. } => {
+            formats::e8m0_to_f32(scale[(r / 128) * cols.div_ceil(128) + b])
+        }
         Weights::Fp4 { scale, .. } => formats::e8m0_to_f32(scale[r * (cols / 32) + b]),
         _ => 1.0,
     }
@@ -74,7 +76,10 @@ pub fn matvec(m: &Matrix, x: &[f32]) -> Vec<f32> {
 /// Y[n][rows] = W X[n][cols].
 pub fn matmul(m: &Matrix, x: &[f32], n: usize) -> Vec<f32> {
     let cols = m.cols();
-    (0..n).flat_map(|j| (0..m.rows()).map(move |r| (j, r))).map(|(j, r)| row_dot(m, r, &x[j * cols..(j + 1) * cols])).collect()
+    (0..n)
+        .flat_map(|j| (0..m.rows()).map(move |r| (j, r)))
+        .map(|(j, r)| row_dot(m, r, &x[j * cols..(j + 1) * cols]))
+        .collect()
 }
 
 /// Dot of two f32 vectors in the lane order.
@@ -91,7 +96,14 @@ pub fn exp(x: f32) -> f32 {
     const LOG2E: f32 = 1.442_695_040_888_963_4;
     const C1: f32 = 0.693_359_375;
     const C2: f32 = -2.121_944_4e-4;
-    const P: [f32; 6] = [1.987_569_15e-4, 1.398_199_950_7e-3, 8.333_451_907_3e-3, 4.166_579_589_4e-2, 1.666_666_545_9e-1, 5.000_000_120_1e-1];
+    const P: [f32; 6] = [
+        1.987_569_15e-4,
+        1.398_199_950_7e-3,
+        8.333_451_907_3e-3,
+        4.166_579_589_4e-2,
+        1.666_666_545_9e-1,
+        5.000_000_120_1e-1,
+    ];
     let mut n = (x * LOG2E).round_ties_even();
     if n < -126.0 {
         n = -126.0;
@@ -133,13 +145,18 @@ pub struct AttnRef<'a> {
 
 pub fn attn_decode<'a>(a: &AttnRef<'a>) -> Vec<f32> {
     let group = a.n_heads / a.n_kv_heads;
-    let t0 = if a.window != 0 && a.t_len > a.window { a.t_len - a.window } else { 0 };
+    let t0 = if a.window != 0 && a.t_len > a.window {
+        a.t_len - a.window
+    } else {
+        0
+    };
     let hd = a.head_dim;
     let mut out = vec![0f32; a.n_heads * hd];
     for h in 0..a.n_heads {
         let q = &a.q[h * hd..(h + 1) * hd];
         let off = (h / group) * hd;
-        let row = |buf: &'a [f32], t: usize| &buf[t * a.kv_stride + off..t * a.kv_stride + off + hd];
+        let row =
+            |buf: &'a [f32], t: usize| &buf[t * a.kv_stride + off..t * a.kv_stride + off + hd];
         let mut m = a.sinks.map(|s| s[h]).unwrap_or(f32::NEG_INFINITY);
         let scores: Vec<f32> = (t0..a.t_len)
             .map(|t| {

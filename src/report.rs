@@ -38,25 +38,51 @@ fn table(out: &mut String, header: &[&str], rows: &[Vec<String>]) {
         }
         s.trim_end().to_string()
     };
-    writeln!(out, "{}", line(header.iter().map(|s| s.to_string()).collect())).unwrap();
-    writeln!(out, "{}", line(width.iter().map(|w| "-".repeat(*w)).collect())).unwrap();
+    writeln!(
+        out,
+        "{}",
+        line(header.iter().map(|s| s.to_string()).collect())
+    )
+    .unwrap();
+    writeln!(
+        out,
+        "{}",
+        line(width.iter().map(|w| "-".repeat(*w)).collect())
+    )
+    .unwrap();
     for r in rows {
         writeln!(out, "{}", line(r.clone())).unwrap();
     }
 }
 
 /// The ISA / dispatch / threads section.
-pub fn variants_report(choice: &Result<kernels::Choice, kernels::KernelError>, threads: usize) -> String {
+pub fn variants_report(
+    choice: &Result<kernels::Choice, kernels::KernelError>,
+    threads: usize,
+) -> String {
     let mut out = String::new();
-    writeln!(out, "CPU: {} ({})", crate::cpu::cpu_name(), std::env::consts::ARCH).unwrap();
+    writeln!(
+        out,
+        "CPU: {} ({})",
+        crate::cpu::cpu_name(),
+        std::env::consts::ARCH
+    )
+    .unwrap();
     let rows: Vec<Vec<String>> = COMPILED_ISAS
         .iter()
         .map(|&isa| {
             let d = isa.desc();
             let missing = crate::cpu::missing_features(isa);
-            let status =
-                if missing.is_empty() { "runnable".to_string() } else { format!("not on this CPU (lacks {})", missing.join(", ")) };
-            let feats = if d.cpu_features.is_empty() { "-".to_string() } else { d.cpu_features.join("+") };
+            let status = if missing.is_empty() {
+                "runnable".to_string()
+            } else {
+                format!("not on this CPU (lacks {})", missing.join(", "))
+            };
+            let feats = if d.cpu_features.is_empty() {
+                "-".to_string()
+            } else {
+                d.cpu_features.join("+")
+            };
             vec![d.name.to_string(), d.score.to_string(), feats, status]
         })
         .collect();
@@ -66,15 +92,24 @@ pub fn variants_report(choice: &Result<kernels::Choice, kernels::KernelError>, t
         Ok(c) => writeln!(out, "\ndispatch uses: {} — {}", c.kernels.isa(), c.reason).unwrap(),
         Err(e) => writeln!(out, "\ndispatch: error: {e}").unwrap(),
     }
-    writeln!(out, "(BESPOKE_KERNELS=scalar|avx2|avx512|neon forces one variant)").unwrap();
-    writeln!(out, "threads: {threads} (--threads N or BESPOKE_THREADS; default: physical cores = {})", crate::cpu::physical_cores())
-        .unwrap();
+    writeln!(
+        out,
+        "(BESPOKE_KERNELS=scalar|avx2|avx512|neon forces one variant)"
+    )
+    .unwrap();
+    writeln!(
+        out,
+        "threads: {threads} (--threads N or BESPOKE_THREADS; default: physical cores = {})",
+        crate::cpu::physical_cores()
+    )
+    .unwrap();
     out
 }
 
 pub fn cuda_report() -> String {
     if cfg!(feature = "cuda") {
-        "CUDA: feature `cuda` is on, but this version has no CUDA backend yet; running on the CPU".into()
+        "CUDA: feature `cuda` is on, but this version has no CUDA backend yet; running on the CPU"
+            .into()
     } else {
         "CUDA: not built with CUDA (the `cuda` feature is off); running on the CPU".into()
     }
@@ -84,15 +119,32 @@ pub fn cuda_report() -> String {
 pub fn build_report(p: &Plan) -> String {
     let mut out = String::new();
     writeln!(out, "target: {}", p.target).unwrap();
-    writeln!(out, "ISA variants compiled: {}", p.isas.iter().map(|i| i.name()).collect::<Vec<_>>().join(", ")).unwrap();
+    writeln!(
+        out,
+        "ISA variants compiled: {}",
+        p.isas
+            .iter()
+            .map(|i| i.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+    .unwrap();
     for n in &p.notes {
         writeln!(out, "note: {n}").unwrap();
     }
-    writeln!(out, "\nmodels this build was specialised for (BESPOKE_MODEL at build time):").unwrap();
+    writeln!(
+        out,
+        "\nmodels this build was specialised for (BESPOKE_MODEL at build time):"
+    )
+    .unwrap();
     for m in &p.models {
         writeln!(out, "  {} — {}", short_source(&m.source), m.summary).unwrap();
     }
-    writeln!(out, "\nspecialised matrix kernels (matvec + matmul, each ISA variant):").unwrap();
+    writeln!(
+        out,
+        "\nspecialised matrix kernels (matvec + matmul, each ISA variant):"
+    )
+    .unwrap();
     let rows: Vec<Vec<String>> = p
         .mat_shapes
         .iter()
@@ -111,21 +163,44 @@ pub fn build_report(p: &Plan) -> String {
                 Some(_) => format!("{}×{}", s.format.block_rows(), s.format.block_cols()),
                 None => "-".into(),
             };
-            vec![s.format.to_string(), s.rows.to_string(), s.cols.to_string(), block, users.join("; ")]
+            vec![
+                s.format.to_string(),
+                s.rows.to_string(),
+                s.cols.to_string(),
+                block,
+                users.join("; "),
+            ]
         })
         .collect();
-    table(&mut out, &["format", "rows", "cols", "scale block", "used by"], &rows);
+    table(
+        &mut out,
+        &["format", "rows", "cols", "scale block", "used by"],
+        &rows,
+    );
     writeln!(out, "\nspecialised attention-decode kernels:").unwrap();
     let rows: Vec<Vec<String>> = p
         .attn_shapes
         .iter()
         .map(|s| {
-            let users: Vec<String> =
-                p.models.iter().filter(|m| m.attn.contains(s)).map(|m| short_source(&m.source)).collect();
-            vec![s.head_dim.to_string(), s.n_heads.to_string(), s.n_kv_heads.to_string(), users.join(", ")]
+            let users: Vec<String> = p
+                .models
+                .iter()
+                .filter(|m| m.attn.contains(s))
+                .map(|m| short_source(&m.source))
+                .collect();
+            vec![
+                s.head_dim.to_string(),
+                s.n_heads.to_string(),
+                s.n_kv_heads.to_string(),
+                users.join(", "),
+            ]
         })
         .collect();
-    table(&mut out, &["head_dim", "heads", "kv heads", "used by"], &rows);
+    table(
+        &mut out,
+        &["head_dim", "heads", "kv heads", "used by"],
+        &rows,
+    );
     writeln!(
         out,
         "\ngeneric (run-time shape) kernels, each ISA variant: matvec + matmul for {}; attention decode",
@@ -151,11 +226,19 @@ pub fn model_report(m: &PlannedModel, k: &Kernels) -> String {
                 u.format.to_string(),
                 format!("{}×{}", u.rows, u.cols),
                 u.per_token.to_string(),
-                if spec { "specialised".into() } else { "generic".into() },
+                if spec {
+                    "specialised".into()
+                } else {
+                    "generic".into()
+                },
             ]
         })
         .collect();
-    table(&mut out, &["matrix", "format", "rows×cols", "per token", "kernel"], &rows);
+    table(
+        &mut out,
+        &["matrix", "format", "rows×cols", "per token", "kernel"],
+        &rows,
+    );
     for s in &m.attn {
         let spec = k.attn_kernel(*s).shape.is_some();
         writeln!(
@@ -183,5 +266,8 @@ pub fn model_report(m: &PlannedModel, k: &Kernels) -> String {
 
 /// Every ISA the project knows, with whether this build has it.
 pub fn isa_names() -> Vec<(Isa, bool)> {
-    plan::ISAS.iter().map(|i| (*i, COMPILED_ISAS.contains(i))).collect()
+    plan::ISAS
+        .iter()
+        .map(|i| (*i, COMPILED_ISAS.contains(i)))
+        .collect()
 }

@@ -4,12 +4,18 @@
 /// Resolve the thread count from a CLI value and the environment.
 pub fn resolve(cli: Option<usize>) -> Result<usize, String> {
     if let Some(n) = cli {
-        return if n == 0 { Err("--threads must be at least 1".into()) } else { Ok(n) };
+        return if n == 0 {
+            Err("--threads must be at least 1".into())
+        } else {
+            Ok(n)
+        };
     }
     match std::env::var("BESPOKE_THREADS") {
         Ok(v) if !v.trim().is_empty() => match v.trim().parse::<usize>() {
             Ok(n) if n > 0 => Ok(n),
-            _ => Err(format!("BESPOKE_THREADS={v:?}: expected a positive integer")),
+            _ => Err(format!(
+                "BESPOKE_THREADS={v:?}: expected a positive integer"
+            )),
         },
         _ => Ok(crate::cpu::physical_cores()),
     }
@@ -17,11 +23,16 @@ pub fn resolve(cli: Option<usize>) -> Result<usize, String> {
 
 /// Size rayon's global pool (once per process; later calls keep the first size).
 pub fn init(n: usize) -> usize {
-    let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
+    let _ = rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global();
     rayon::current_num_threads()
 }
 
 /// A separate pool of `n` threads (benchmarks compare 1 thread and all).
 pub fn pool(n: usize) -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new().num_threads(n).build().expect("creating a rayon thread pool")
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build()
+        .expect("creating a rayon thread pool")
 }

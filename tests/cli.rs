@@ -9,7 +9,11 @@ fn run(args: &[&str]) -> (bool, String, String) {
         .env_remove("BESPOKE_KERNELS")
         .output()
         .expect("run bespoke");
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
 }
 
 #[test]
@@ -33,18 +37,27 @@ fn plan_shows_build_variants_and_dispatch() {
 fn plan_for_a_model_says_specialised_or_generic() {
     let (ok, out, err) = run(&["plan", "--model", "fixtures/tiny-llama"]);
     assert!(ok, "{err}");
-    assert!(out.contains("model.layers.*.self_attn.q_proj") && out.contains("specialised"), "{out}");
+    assert!(
+        out.contains("model.layers.*.self_attn.q_proj") && out.contains("specialised"),
+        "{out}"
+    );
     // A model the build was not specialised for runs on generic kernels, and says how to fix that.
     let (ok, out, err) = run(&["plan", "--model", "tests/configs/qwen3-small.json"]);
     assert!(ok, "{err}");
-    assert!(out.contains("generic") && out.contains("BESPOKE_MODEL="), "{out}");
+    assert!(
+        out.contains("generic") && out.contains("BESPOKE_MODEL="),
+        "{out}"
+    );
 }
 
 #[test]
 fn plan_errors_name_the_file() {
     let (ok, _, err) = run(&["plan", "--model", "tests/configs/unknown-type"]);
     assert!(!ok);
-    assert!(err.contains("tests/configs/unknown-type/config.json") && err.contains("gpt_neox"), "{err}");
+    assert!(
+        err.contains("tests/configs/unknown-type/config.json") && err.contains("gpt_neox"),
+        "{err}"
+    );
     let (ok, _, err) = run(&["plan", "--model", "no/such/dir"]);
     assert!(!ok && err.contains("no/such/dir/config.json"), "{err}");
     let (ok, _, err) = run(&["plan", "--threads", "0"]);
@@ -57,26 +70,46 @@ fn plan_json_is_the_build_plan() {
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).expect("valid JSON");
     assert!(v["mat_shapes"].as_array().is_some_and(|a| !a.is_empty()));
-    assert!(v["isas"].as_array().is_some_and(|a| a.iter().any(|i| i == "Scalar")));
+    assert!(v["isas"]
+        .as_array()
+        .is_some_and(|a| a.iter().any(|i| i == "Scalar")));
 }
 
 #[test]
 fn bench_kernels_quick_writes_json() {
     let path = std::env::temp_dir().join(format!("bespoke-bench-{}.json", std::process::id()));
     let p = path.to_str().unwrap();
-    let (ok, out, err) = run(&["bench", "kernels", "--quick", "--threads", "1", "--formats", "bf16", "--json", p]);
+    let (ok, out, err) = run(&[
+        "bench",
+        "kernels",
+        "--quick",
+        "--threads",
+        "1",
+        "--formats",
+        "bf16",
+        "--json",
+        p,
+    ]);
     assert!(ok, "{err}");
     assert!(out.contains("summary"), "{out}");
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let ks = v["kernels"].as_array().unwrap();
     assert!(!ks.is_empty());
-    assert!(ks.iter().all(|k| k["median_us"].as_f64().is_some_and(|t| t > 0.0)));
-    assert!(v["bandwidth"][0]["gb_per_s"].as_f64().is_some_and(|g| g > 0.0));
+    assert!(ks
+        .iter()
+        .all(|k| k["median_us"].as_f64().is_some_and(|t| t > 0.0)));
+    assert!(v["bandwidth"][0]["gb_per_s"]
+        .as_f64()
+        .is_some_and(|g| g > 0.0));
     std::fs::remove_file(&path).ok();
 }
 
 #[test]
 fn help_explains_the_commands() {
     let (ok, out, _) = run(&["--help"]);
-    assert!(ok && out.contains("plan") && out.contains("bench") && out.contains("BESPOKE_KERNELS"), "{out}");
+    assert!(
+        ok && out.contains("plan") && out.contains("bench") && out.contains("BESPOKE_KERNELS"),
+        "{out}"
+    );
 }

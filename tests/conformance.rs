@@ -5,7 +5,9 @@
 
 mod common;
 
-use bespoke::kernels::{AttnArgs, Kernels, Matrix, Weights, ATTN_KERNELS, COMPILED_ISAS, MAT_KERNELS};
+use bespoke::kernels::{
+    AttnArgs, Kernels, Matrix, Weights, ATTN_KERNELS, COMPILED_ISAS, MAT_KERNELS,
+};
 use bespoke::plan::{Format, Isa, FORMATS};
 use bespoke::{formats, reference};
 use common::{first_diff, Rng};
@@ -27,8 +29,13 @@ fn runnable() -> Vec<Kernels> {
     eprintln!("kernel variants:\n{}", lines.join("\n"));
     if let Ok(req) = std::env::var("BESPOKE_REQUIRE_VARIANTS") {
         for name in req.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            let isa = Isa::parse(name).unwrap_or_else(|| panic!("BESPOKE_REQUIRE_VARIANTS: unknown variant {name}"));
-            assert!(ks.iter().any(|k| k.isa() == isa), "required variant {name} did not run:\n{}", lines.join("\n"));
+            let isa = Isa::parse(name)
+                .unwrap_or_else(|| panic!("BESPOKE_REQUIRE_VARIANTS: unknown variant {name}"));
+            assert!(
+                ks.iter().any(|k| k.isa() == isa),
+                "required variant {name} did not run:\n{}",
+                lines.join("\n")
+            );
         }
     }
     ks
@@ -48,15 +55,23 @@ struct Owned {
 impl Owned {
     fn random(rng: &mut Rng, format: Format, rows: usize, cols: usize) -> Owned {
         let n = rows * cols;
-        let mut o = Owned { rows, cols, format, f: vec![], h: vec![], b: vec![], s: vec![] };
+        let mut o = Owned {
+            rows,
+            cols,
+            format,
+            f: vec![],
+            h: vec![],
+            b: vec![],
+            s: vec![],
+        };
         match format {
             Format::F32 => o.f = rng.activations(n),
             Format::Bf16 => {
                 o.h = (0..n)
                     .map(|_| match rng.below(60) {
-                        0 => 0x8000,                           // -0
+                        0 => 0x8000,                          // -0
                         1 => 0x0001 + rng.below(0x7F) as u16, // subnormal
-                        2 => 0x7F7F,                           // largest finite
+                        2 => 0x7F7F,                          // largest finite
                         3 => 0xFF7F,
                         _ => formats::f32_to_bf16(rng.unit() * 2.0),
                     })
@@ -89,8 +104,14 @@ impl Owned {
         let w = match self.format {
             Format::F32 => Weights::F32(&self.f),
             Format::Bf16 => Weights::Bf16(&self.h),
-            Format::Fp8 => Weights::Fp8 { w: &self.b, scale: &self.s },
-            Format::Fp4 => Weights::Fp4 { w: &self.b, scale: &self.s },
+            Format::Fp8 => Weights::Fp8 {
+                w: &self.b,
+                scale: &self.s,
+            },
+            Format::Fp4 => Weights::Fp4 {
+                w: &self.b,
+                scale: &self.s,
+            },
         };
         Matrix::new(self.rows, self.cols, w).expect("valid test matrix")
     }
@@ -98,21 +119,49 @@ impl Owned {
 
 fn awkward_shapes(format: Format) -> Vec<(usize, usize)> {
     match format {
-        Format::F32 | Format::Bf16 => vec![(1, 1), (1, 17), (3, 15), (5, 16), (37, 100), (130, 33), (64, 64), (9, 257)],
-        Format::Fp8 => vec![(1, 1), (1, 16), (3, 250), (129, 130), (128, 128), (200, 300), (17, 17)],
+        Format::F32 | Format::Bf16 => vec![
+            (1, 1),
+            (1, 17),
+            (3, 15),
+            (5, 16),
+            (37, 100),
+            (130, 33),
+            (64, 64),
+            (9, 257),
+        ],
+        Format::Fp8 => vec![
+            (1, 1),
+            (1, 16),
+            (3, 250),
+            (129, 130),
+            (128, 128),
+            (200, 300),
+            (17, 17),
+        ],
         Format::Fp4 => vec![(1, 32), (7, 96), (33, 160), (2, 2048), (130, 64)],
     }
 }
 
 fn specialised_shapes(format: Format) -> Vec<(usize, usize)> {
-    let mut v: Vec<(usize, usize)> = MAT_KERNELS.iter().filter(|k| k.format == format).filter_map(|k| k.shape).collect();
+    let mut v: Vec<(usize, usize)> = MAT_KERNELS
+        .iter()
+        .filter(|k| k.format == format)
+        .filter_map(|k| k.shape)
+        .collect();
     v.sort();
     v.dedup();
     v
 }
 
 /// Full check of matvec and matmul for one matrix on every variant.
-fn check_full(ks: &[Kernels], rng: &mut Rng, format: Format, rows: usize, cols: usize, ns: &[usize]) -> usize {
+fn check_full(
+    ks: &[Kernels],
+    rng: &mut Rng,
+    format: Format,
+    rows: usize,
+    cols: usize,
+    ns: &[usize],
+) -> usize {
     let o = Owned::random(rng, format, rows, cols);
     let m = o.matrix();
     let x = rng.activations(cols);
@@ -162,7 +211,11 @@ fn matmul_up_to_64_columns() {
     let ks = runnable();
     let mut rng = Rng(2);
     for format in FORMATS {
-        let (rows, cols) = if format == Format::Fp4 { (19, 64) } else { (19, 40) };
+        let (rows, cols) = if format == Format::Fp4 {
+            (19, 64)
+        } else {
+            (19, 40)
+        };
         check_full(&ks, &mut rng, format, rows, cols, &[17, 33, 64]);
     }
 }
@@ -199,7 +252,9 @@ fn specialised_kernels_match_reference_on_build_shapes() {
             let x = rng.activations(cols);
             let mid = rows / 2 + 7;
             for k in &ks {
-                let kern = k.mat_kernel_specialised(format, rows, cols).expect("specialised kernel of the build");
+                let kern = k
+                    .mat_kernel_specialised(format, rows, cols)
+                    .expect("specialised kernel of the build");
                 let generic = k.mat_kernel_generic(format);
                 for (r0, r1) in [(0, 9), (mid, (mid + 21).min(rows)), (rows - 5, rows)] {
                     for kk in [kern, generic] {
@@ -207,7 +262,12 @@ fn specialised_kernels_match_reference_on_build_shapes() {
                         k.matvec_rows_with(kk, &m, &x, &mut y, r0, r1).unwrap();
                         for r in r0..r1 {
                             let want = reference::row_dot(&m, r, &x);
-                            assert!(common::same(y[r], want), "{} {format} {rows}x{cols} row {r}: {} vs reference {want}", k.isa(), y[r]);
+                            assert!(
+                                common::same(y[r], want),
+                                "{} {format} {rows}x{cols} row {r}: {} vs reference {want}",
+                                k.isa(),
+                                y[r]
+                            );
                         }
                     }
                 }
@@ -233,7 +293,11 @@ fn results_do_not_depend_on_thread_count() {
                 let pool = bespoke::threads::pool(threads);
                 let mut y = vec![0f32; 3 * rows];
                 pool.install(|| k.matmul(&m, &xs, 3, &mut y)).unwrap();
-                assert!(first_diff(&y, &want).is_none(), "{} {format} with {threads} threads", k.isa());
+                assert!(
+                    first_diff(&y, &want).is_none(),
+                    "{} {format} with {threads} threads",
+                    k.isa()
+                );
             }
         }
     }
@@ -284,10 +348,21 @@ fn check_attn(ks: &[Kernels], rng: &mut Rng, c: &AttnCase, specialised_expected:
         scale,
     };
     for k in ks {
-        let shape = bespoke::plan::AttnShape { head_dim: c.hd, n_heads: c.h, n_kv_heads: c.kv };
+        let shape = bespoke::plan::AttnShape {
+            head_dim: c.hd,
+            n_heads: c.h,
+            n_kv_heads: c.kv,
+        };
         let chosen = k.attn_kernel(shape);
-        assert_eq!(chosen.shape.is_some(), specialised_expected, "specialised attention kernel for {shape:?}");
-        let generic = ATTN_KERNELS.iter().find(|x| x.isa == k.isa() && x.shape.is_none()).unwrap();
+        assert_eq!(
+            chosen.shape.is_some(),
+            specialised_expected,
+            "specialised attention kernel for {shape:?}"
+        );
+        let generic = ATTN_KERNELS
+            .iter()
+            .find(|x| x.isa == k.isa() && x.shape.is_none())
+            .unwrap();
         for kern in [chosen, generic] {
             let mut out = vec![f32::NAN; c.h * c.hd];
             k.attn_decode_with(kern, &a, &mut out).unwrap();
@@ -309,9 +384,22 @@ fn attention_matches_reference() {
     for &(hd, h, kv) in &[(1, 1, 1), (16, 8, 8), (33, 6, 3), (64, 4, 1), (80, 2, 2)] {
         for &t in &[1, 5, 16, 17, 100] {
             for &(window, sinks) in &[(0, false), (7, false), (0, true), (40, true)] {
-                let c = AttnCase { hd, h, kv, t, window, sinks, stride_pad: 3 };
+                let c = AttnCase {
+                    hd,
+                    h,
+                    kv,
+                    t,
+                    window,
+                    sinks,
+                    stride_pad: 3,
+                };
                 let spec = ATTN_KERNELS.iter().any(|x| {
-                    x.shape == Some(bespoke::plan::AttnShape { head_dim: hd, n_heads: h, n_kv_heads: kv })
+                    x.shape
+                        == Some(bespoke::plan::AttnShape {
+                            head_dim: hd,
+                            n_heads: h,
+                            n_kv_heads: kv,
+                        })
                 });
                 check_attn(&ks, &mut rng, &c, spec);
             }
@@ -323,7 +411,15 @@ fn attention_matches_reference() {
     shapes.dedup();
     for s in shapes {
         for &(t, window, sinks) in &[(1, 0, false), (37, 0, true), (150, 128, true)] {
-            let c = AttnCase { hd: s.head_dim, h: s.n_heads, kv: s.n_kv_heads, t, window, sinks, stride_pad: 0 };
+            let c = AttnCase {
+                hd: s.head_dim,
+                h: s.n_heads,
+                kv: s.n_kv_heads,
+                t,
+                window,
+                sinks,
+                stride_pad: 0,
+            };
             check_attn(&ks, &mut rng, &c, true);
         }
     }
@@ -350,19 +446,49 @@ fn softmax_exp_is_accurate() {
 #[test]
 fn shape_and_length_errors_are_clear() {
     let w = vec![0f32; 12];
-    let e = Matrix::new(3, 5, Weights::F32(&w)).err().unwrap().to_string();
+    let e = Matrix::new(3, 5, Weights::F32(&w))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("expected 15") && e.contains("found 12"), "{e}");
     let b = vec![0u8; 48];
-    let e = Matrix::new(3, 33, Weights::Fp4 { w: &b, scale: &b }).err().unwrap().to_string();
+    let e = Matrix::new(3, 33, Weights::Fp4 { w: &b, scale: &b })
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("32-column"), "{e}");
     let s = vec![0u8; 2];
-    let e = Matrix::new(3, 32, Weights::Fp4 { w: &b[..48], scale: &s }).err().unwrap().to_string();
+    let e = Matrix::new(
+        3,
+        32,
+        Weights::Fp4 {
+            w: &b[..48],
+            scale: &s,
+        },
+    )
+    .err()
+    .unwrap()
+    .to_string();
     assert!(e.contains("fp4"), "{e}");
     let m = Matrix::new(3, 4, Weights::F32(&w)).unwrap();
     let k = Kernels::best();
     let mut y = vec![0f32; 3];
     let e = k.matvec(&m, &[1.0; 5], &mut y).err().unwrap().to_string();
     assert!(e.contains("input x") && e.contains("expected 4"), "{e}");
-    let e = k.matmul(&m, &[1.0; 8], 2, &mut y).err().unwrap().to_string();
+    let e = k
+        .matmul(&m, &[1.0; 8], 2, &mut y)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("output Y"), "{e}");
+}
+
+/// Prints which variants were compiled and which ran (CI shows this).
+#[test]
+fn report_variants() {
+    let ks = runnable();
+    assert!(
+        ks.iter().any(|k| k.isa() == Isa::Scalar),
+        "the scalar variant always runs"
+    );
 }

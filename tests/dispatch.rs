@@ -14,7 +14,11 @@ fn bespoke(args: &[&str], kernels: Option<&str>) -> (bool, String, String) {
         None => c.env_remove("BESPOKE_KERNELS"),
     };
     let out = c.output().expect("run bespoke");
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
 }
 
 #[test]
@@ -29,7 +33,9 @@ fn forcing_each_variant() {
                 assert_eq!(c.kernels.isa(), isa);
                 assert!(c.reason.contains("BESPOKE_KERNELS"));
             }
-            Err(KernelError::NotCompiled { .. }) => assert!(!compiled, "{isa} reported not compiled"),
+            Err(KernelError::NotCompiled { .. }) => {
+                assert!(!compiled, "{isa} reported not compiled")
+            }
             Err(KernelError::CpuLacks { missing, .. }) => {
                 assert!(compiled && !runnable, "{isa}: lacks {missing}");
                 assert!(!missing.is_empty());
@@ -39,12 +45,26 @@ fn forcing_each_variant() {
         // The same through the binary: success exactly when runnable, and a
         // clear message otherwise (a SIGILL would be a signal, not exit 1).
         let (ok, stdout, stderr) = bespoke(&["plan"], Some(isa.name()));
-        assert_eq!(ok, runnable, "BESPOKE_KERNELS={isa}: stdout {stdout} stderr {stderr}");
+        assert_eq!(
+            ok, runnable,
+            "BESPOKE_KERNELS={isa}: stdout {stdout} stderr {stderr}"
+        );
         if runnable {
-            assert!(stdout.contains(&format!("dispatch uses: {isa} — forced by BESPOKE_KERNELS={isa}")), "{stdout}");
+            assert!(
+                stdout.contains(&format!(
+                    "dispatch uses: {isa} — forced by BESPOKE_KERNELS={isa}"
+                )),
+                "{stdout}"
+            );
         } else {
-            assert!(stderr.contains("bespoke: error:") && stderr.contains(isa.name()), "{stderr}");
-            assert!(stderr.contains("lacks") || stderr.contains("not compiled"), "{stderr}");
+            assert!(
+                stderr.contains("bespoke: error:") && stderr.contains(isa.name()),
+                "{stderr}"
+            );
+            assert!(
+                stderr.contains("lacks") || stderr.contains("not compiled"),
+                "{stderr}"
+            );
         }
     }
 }
@@ -63,11 +83,17 @@ fn auto_picks_the_highest_scoring_runnable_variant() {
     assert_eq!(Kernels::choose(Some("auto")).unwrap().kernels.isa(), best);
     for &isa in COMPILED_ISAS {
         if bespoke::cpu::missing_features(isa).is_empty() {
-            assert!(isa.desc().score <= best.desc().score, "{isa} outranks the choice {best}");
+            assert!(
+                isa.desc().score <= best.desc().score,
+                "{isa} outranks the choice {best}"
+            );
         }
     }
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") && COMPILED_ISAS.contains(&Isa::Avx2) {
+    if std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && COMPILED_ISAS.contains(&Isa::Avx2)
+    {
         assert_ne!(best, Isa::Scalar);
     }
 }

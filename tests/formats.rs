@@ -6,13 +6,20 @@ use bespoke::formats::*;
 use serde_json::Value;
 
 fn table() -> Value {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/formats/ml_dtypes_table.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/fixtures/formats/ml_dtypes_table.json"
+    );
     let text = std::fs::read_to_string(path).expect("fixtures/formats/ml_dtypes_table.json");
     serde_json::from_str(&text).expect("valid JSON")
 }
 
 fn u32s(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn check_decode(name: &str, codes: usize, f: impl Fn(u8) -> f32) {
@@ -51,7 +58,10 @@ fn bf16_decode_all_65536_codes() {
     for h in 0..=u16::MAX {
         let got = bf16_to_f32(h);
         let want = f32::from_bits((h as u32) << 16);
-        assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "bf16 {h:#06x}");
+        assert!(
+            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+            "bf16 {h:#06x}"
+        );
     }
 }
 
@@ -65,10 +75,18 @@ fn check_encode(name: &str, f: impl Fn(f32) -> u32, mask: u32) {
         let xf = f32::from_bits(x);
         let got = f(xf) & mask;
         if got != (w & mask) {
-            bad.push(format!("{xf:e} ({x:#010x}): got {got:#x}, ml_dtypes {w:#x}"));
+            bad.push(format!(
+                "{xf:e} ({x:#010x}): got {got:#x}, ml_dtypes {w:#x}"
+            ));
         }
     }
-    assert!(bad.is_empty(), "{name}: {} of {} encodings differ, e.g.\n{}", bad.len(), inputs.len(), bad[..bad.len().min(10)].join("\n"));
+    assert!(
+        bad.is_empty(),
+        "{name}: {} of {} encodings differ, e.g.\n{}",
+        bad.len(),
+        inputs.len(),
+        bad[..bad.len().min(10)].join("\n")
+    );
 }
 
 #[test]

@@ -9,11 +9,19 @@ fn cfg(json: &str) -> Result<ModelConfig, String> {
 }
 
 fn shapes(c: &ModelConfig) -> BTreeSet<MatShape> {
-    plan::plan(std::slice::from_ref(c), vec![], "test").unwrap().mat_shapes.into_iter().collect()
+    plan::plan(std::slice::from_ref(c), vec![], "test")
+        .unwrap()
+        .mat_shapes
+        .into_iter()
+        .collect()
 }
 
 fn fixture(path: &str) -> ModelConfig {
-    plan::load_config(std::path::Path::new(&format!("{}/{path}", env!("CARGO_MANIFEST_DIR")))).unwrap()
+    plan::load_config(std::path::Path::new(&format!(
+        "{}/{path}",
+        env!("CARGO_MANIFEST_DIR")
+    )))
+    .unwrap()
 }
 
 const QWEN3: &str = r#"{"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 384,
@@ -26,12 +34,40 @@ fn two_configs_give_different_specialised_shape_sets() {
     let qwen = cfg(QWEN3).unwrap();
     let (a, b) = (shapes(&llama), shapes(&qwen));
     assert_ne!(a, b);
-    assert!(a.contains(&MatShape { format: Format::Bf16, rows: 72, cols: 72 }), "{a:?}");
+    assert!(
+        a.contains(&MatShape {
+            format: Format::Bf16,
+            rows: 72,
+            cols: 72
+        }),
+        "{a:?}"
+    );
     // qwen3: q_proj is heads*head_dim x hidden = 192 x 128, f32 weights.
-    assert!(b.contains(&MatShape { format: Format::F32, rows: 192, cols: 128 }), "{b:?}");
-    assert!(b.contains(&MatShape { format: Format::F32, rows: 1000, cols: 128 }), "lm_head {b:?}");
+    assert!(
+        b.contains(&MatShape {
+            format: Format::F32,
+            rows: 192,
+            cols: 128
+        }),
+        "{b:?}"
+    );
+    assert!(
+        b.contains(&MatShape {
+            format: Format::F32,
+            rows: 1000,
+            cols: 128
+        }),
+        "lm_head {b:?}"
+    );
     assert_eq!(qwen.family, Family::Qwen3);
-    assert_eq!(plan::attn_shapes(&qwen)[0], plan::AttnShape { head_dim: 48, n_heads: 4, n_kv_heads: 2 });
+    assert_eq!(
+        plan::attn_shapes(&qwen)[0],
+        plan::AttnShape {
+            head_dim: 48,
+            n_heads: 4,
+            n_kv_heads: 2
+        }
+    );
 }
 
 #[test]
@@ -49,21 +85,37 @@ fn deepseek_v4_flash_plans_fp4_experts_and_fp8_dense() {
         (Format::Bf16, 256, 4096),  // router
         (Format::F32, 24, 16384),   // hyper-connection mix
     ] {
-        assert!(s.contains(&MatShape { format: f, rows: r, cols: k }), "missing {f} {r}x{k} in {s:?}");
+        assert!(
+            s.contains(&MatShape {
+                format: f,
+                rows: r,
+                cols: k
+            }),
+            "missing {f} {r}x{k} in {s:?}"
+        );
     }
     let v4 = c.dsv4.as_ref().unwrap();
     assert_eq!(v4.compress_ratios.len(), 43);
     assert_eq!(v4.num_hash_layers, 3);
     assert!(v4.fp4_experts && v4.fp8_dense);
-    assert_eq!(plan::attn_shapes(&c)[0], plan::AttnShape { head_dim: 512, n_heads: 64, n_kv_heads: 1 });
+    assert_eq!(
+        plan::attn_shapes(&c)[0],
+        plan::AttnShape {
+            head_dim: 512,
+            n_heads: 64,
+            n_kv_heads: 1
+        }
+    );
 }
 
 #[test]
 fn qwen3_moe_dense_and_sparse_layers() {
-    let c = cfg(r#"{"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 96,
+    let c = cfg(
+        r#"{"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 96,
         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "vocab_size": 300, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "decoder_sparse_step": 2, "mlp_only_layers": [3]}"#)
+        "decoder_sparse_step": 2, "mlp_only_layers": [3]}"#,
+    )
     .unwrap();
     let m = c.moe.as_ref().unwrap();
     // (l+1) % 2 != 0 -> layers 0 and 2 dense; 3 is in mlp_only_layers.
@@ -71,7 +123,10 @@ fn qwen3_moe_dense_and_sparse_layers() {
     let mats = plan::matrices(&c);
     let gate = mats.iter().find(|u| u.name.ends_with("mlp.gate")).unwrap();
     assert_eq!((gate.rows, gate.cols, gate.per_token), (8, 64, 1));
-    let up = mats.iter().find(|u| u.name.ends_with("experts.*.up_proj")).unwrap();
+    let up = mats
+        .iter()
+        .find(|u| u.name.ends_with("experts.*.up_proj"))
+        .unwrap();
     assert_eq!((up.rows, up.cols, up.per_token), (32, 64, 2));
 }
 
@@ -79,14 +134,19 @@ fn qwen3_moe_dense_and_sparse_layers() {
 fn defaults_follow_transformers() {
     // llama: head_dim = hidden / heads, kv heads = heads.
     let c = cfg(r#"{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}"#).unwrap();
-    assert_eq!((c.head_dim, c.num_kv_heads, c.vocab_size, c.num_layers), (16, 4, 32000, 32));
+    assert_eq!(
+        (c.head_dim, c.num_kv_heads, c.vocab_size, c.num_layers),
+        (16, 4, 32000, 32)
+    );
     // qwen2 always has q/k/v biases.
     let c = cfg(r#"{"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4}"#).unwrap();
     assert!(c.attention_bias);
     assert_eq!(c.family, Family::Llama);
     // rope_theta from transformers 5's rope_parameters.
-    let c = cfg(r#"{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
-                   "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}"#)
+    let c = cfg(
+        r#"{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}"#,
+    )
     .unwrap();
     assert_eq!(c.rope_theta, 500000.0);
 }
@@ -98,8 +158,14 @@ fn err(json: &str) -> String {
 #[test]
 fn unknown_model_type_is_refused_by_name() {
     let e = err(r#"{"model_type": "mistral", "hidden_size": 64}"#);
-    assert!(e.contains("test/config.json") && e.contains("model_type") && e.contains("\"mistral\""), "{e}");
-    assert!(e.contains("llama") && e.contains("deepseek_v4"), "lists the supported types: {e}");
+    assert!(
+        e.contains("test/config.json") && e.contains("model_type") && e.contains("\"mistral\""),
+        "{e}"
+    );
+    assert!(
+        e.contains("llama") && e.contains("deepseek_v4"),
+        "lists the supported types: {e}"
+    );
     let e = err(r#"{"hidden_size": 64}"#);
     assert!(e.contains("model_type") && e.contains("missing"), "{e}");
 }
@@ -110,23 +176,71 @@ fn malformed_configs_give_clear_errors() {
         ("{not json", &["not valid JSON"]),
         ("[1, 2]", &["expected a JSON object"]),
         (r#"{"model_type": 3}"#, &["model_type", "expected a string"]),
-        (r#"{"model_type": "llama", "hidden_size": "4096"}"#, &["hidden_size", "expected an integer", "string"]),
-        (r#"{"model_type": "llama", "hidden_size": -1}"#, &["hidden_size", "-1"]),
-        (r#"{"model_type": "llama", "hidden_size": 64.5}"#, &["hidden_size", "64.5"]),
-        (r#"{"model_type": "llama", "hidden_size": 1e300}"#, &["hidden_size"]),
-        (r#"{"model_type": "llama", "hidden_size": 0}"#, &["hidden_size", "1..="]),
-        (r#"{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3}"#, &["num_key_value_heads", "does not divide"]),
-        (r#"{"model_type": "llama", "hidden_size": 66, "num_attention_heads": 4}"#, &["head_dim", "not a multiple"]),
-        (r#"{"model_type": "llama", "rms_norm_eps": "small"}"#, &["rms_norm_eps", "expected a number"]),
-        (r#"{"model_type": "llama", "tie_word_embeddings": 1}"#, &["tie_word_embeddings", "true or false"]),
-        (r#"{"model_type": "llama", "torch_dtype": "int4"}"#, &["torch_dtype", "int4"]),
-        (r#"{"model_type": "llama", "quantization_config": {"quant_method": "gptq"}}"#, &["quantization_config", "not supported"]),
-        (r#"{"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 8}"#, &["num_experts_per_tok", "1..=4"]),
-        (r#"{"model_type": "deepseek_v4", "num_hidden_layers": 4, "compress_ratios": [0, 4]}"#, &["compress_ratios", "2 entries"]),
-        (r#"{"model_type": "deepseek_v4", "num_hidden_layers": 2}"#, &["compress_ratios", "missing"]),
-        (r#"{"model_type": "deepseek_v4", "num_hidden_layers": 2, "compress_ratios": [0, 0],
-             "quantization_config": {"fmt": "e5m2"}}"#, &["quantization_config.fmt", "e5m2"]),
-        (r#"{"model_type": "deepseek_v4", "num_hidden_layers": 2, "compress_ratios": [0, 0], "num_key_value_heads": 2}"#, &["num_key_value_heads"]),
+        (
+            r#"{"model_type": "llama", "hidden_size": "4096"}"#,
+            &["hidden_size", "expected an integer", "string"],
+        ),
+        (
+            r#"{"model_type": "llama", "hidden_size": -1}"#,
+            &["hidden_size", "-1"],
+        ),
+        (
+            r#"{"model_type": "llama", "hidden_size": 64.5}"#,
+            &["hidden_size", "64.5"],
+        ),
+        (
+            r#"{"model_type": "llama", "hidden_size": 1e300}"#,
+            &["hidden_size"],
+        ),
+        (
+            r#"{"model_type": "llama", "hidden_size": 0}"#,
+            &["hidden_size", "1..="],
+        ),
+        (
+            r#"{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3}"#,
+            &["num_key_value_heads", "does not divide"],
+        ),
+        (
+            r#"{"model_type": "llama", "hidden_size": 66, "num_attention_heads": 4}"#,
+            &["head_dim", "not a multiple"],
+        ),
+        (
+            r#"{"model_type": "llama", "rms_norm_eps": "small"}"#,
+            &["rms_norm_eps", "expected a number"],
+        ),
+        (
+            r#"{"model_type": "llama", "tie_word_embeddings": 1}"#,
+            &["tie_word_embeddings", "true or false"],
+        ),
+        (
+            r#"{"model_type": "llama", "torch_dtype": "int4"}"#,
+            &["torch_dtype", "int4"],
+        ),
+        (
+            r#"{"model_type": "llama", "quantization_config": {"quant_method": "gptq"}}"#,
+            &["quantization_config", "not supported"],
+        ),
+        (
+            r#"{"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 8}"#,
+            &["num_experts_per_tok", "1..=4"],
+        ),
+        (
+            r#"{"model_type": "deepseek_v4", "num_hidden_layers": 4, "compress_ratios": [0, 4]}"#,
+            &["compress_ratios", "2 entries"],
+        ),
+        (
+            r#"{"model_type": "deepseek_v4", "num_hidden_layers": 2}"#,
+            &["compress_ratios", "missing"],
+        ),
+        (
+            r#"{"model_type": "deepseek_v4", "num_hidden_layers": 2, "compress_ratios": [0, 0],
+             "quantization_config": {"fmt": "e5m2"}}"#,
+            &["quantization_config.fmt", "e5m2"],
+        ),
+        (
+            r#"{"model_type": "deepseek_v4", "num_hidden_layers": 2, "compress_ratios": [0, 0], "num_key_value_heads": 2}"#,
+            &["num_key_value_heads"],
+        ),
     ];
     for (json, needles) in cases {
         let e = err(json);
@@ -149,6 +263,11 @@ fn fp4_matrices_need_whole_scale_blocks() {
 
 #[test]
 fn missing_config_file_names_the_path() {
-    let e = plan::load_config(std::path::Path::new("/nonexistent/model")).unwrap_err().to_string();
-    assert!(e.contains("/nonexistent/model/config.json") && e.contains("cannot read"), "{e}");
+    let e = plan::load_config(std::path::Path::new("/nonexistent/model"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("/nonexistent/model/config.json") && e.contains("cannot read"),
+        "{e}"
+    );
 }

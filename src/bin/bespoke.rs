@@ -84,15 +84,25 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), String> {
     match cli.command {
-        Command::Plan { model, json, threads: t } => {
+        Command::Plan {
+            model,
+            json,
+            threads: t,
+        } => {
             let p = report::build_plan();
             if json {
-                println!("{}", serde_json::to_string_pretty(&p).map_err(|e| e.to_string())?);
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&p).map_err(|e| e.to_string())?
+                );
                 return Ok(());
             }
             let n = threads::resolve(t)?;
             let choice = Kernels::from_env();
-            println!("bespoke {} — kernel plan of this build\n", env!("CARGO_PKG_VERSION"));
+            println!(
+                "bespoke {} — kernel plan of this build\n",
+                env!("CARGO_PKG_VERSION")
+            );
             print!("{}", report::build_report(&p));
             println!();
             print!("{}", report::variants_report(&choice, n));
@@ -106,16 +116,32 @@ fn run(cli: Cli) -> Result<(), String> {
             }
             Ok(())
         }
-        Command::Bench { what: BenchWhat::Kernels { threads: t, quick, json, formats } } => {
+        Command::Bench {
+            what:
+                BenchWhat::Kernels {
+                    threads: t,
+                    quick,
+                    json,
+                    formats,
+                },
+        } => {
             let n = threads::resolve(t)?;
             let formats = match formats {
                 None => vec![plan::Format::Bf16, plan::Format::Fp8, plan::Format::Fp4],
                 Some(list) => list
                     .split(',')
-                    .map(|s| plan::Format::parse(s.trim()).ok_or_else(|| format!("--formats: unknown format {s:?} (f32, bf16, fp8, fp4)")))
+                    .map(|s| {
+                        plan::Format::parse(s.trim()).ok_or_else(|| {
+                            format!("--formats: unknown format {s:?} (f32, bf16, fp8, fp4)")
+                        })
+                    })
                     .collect::<Result<Vec<_>, _>>()?,
             };
-            let opts = bench::Options { threads: n, quick, formats };
+            let opts = bench::Options {
+                threads: n,
+                quick,
+                formats,
+            };
             let results = bench::kernels(&opts)?;
             if let Some(path) = json {
                 let text = serde_json::to_string_pretty(&results).map_err(|e| e.to_string())?;

@@ -122,12 +122,25 @@ impl ModelConfig {
     pub fn from_json(source: &str, root: &Value) -> Result<ModelConfig, ConfigError> {
         let f = Fields::new(source, root)?;
         let model_type = f.string("model_type")?.ok_or_else(|| {
-            f.err("model_type", "required field is missing (it names the architecture, e.g. \"llama\")")
+            f.err(
+                "model_type",
+                "required field is missing (it names the architecture, e.g. \"llama\")",
+            )
         })?;
-        let family = MODEL_TYPES.iter().find(|(name, _)| *name == model_type).map(|(_, fam)| *fam).ok_or_else(|| {
-            let known: Vec<&str> = MODEL_TYPES.iter().map(|(n, _)| *n).collect();
-            f.err("model_type", format!("unknown model type {model_type:?}; bespoke supports {}", known.join(", ")))
-        })?;
+        let family = MODEL_TYPES
+            .iter()
+            .find(|(name, _)| *name == model_type)
+            .map(|(_, fam)| *fam)
+            .ok_or_else(|| {
+                let known: Vec<&str> = MODEL_TYPES.iter().map(|(n, _)| *n).collect();
+                f.err(
+                    "model_type",
+                    format!(
+                        "unknown model type {model_type:?}; bespoke supports {}",
+                        known.join(", ")
+                    ),
+                )
+            })?;
         match family {
             Family::DeepseekV4 => parse_dsv4(&f, model_type),
             _ => parse_llama_like(&f, model_type, family),
@@ -149,7 +162,10 @@ impl ModelConfig {
             self.vocab_size
         );
         if let Some(m) = &self.moe {
-            s += &format!(", {} experts top-{} × {}", m.num_experts, m.top_k, m.moe_intermediate_size);
+            s += &format!(
+                ", {} experts top-{} × {}",
+                m.num_experts, m.top_k, m.moe_intermediate_size
+            );
         }
         s
     }
@@ -204,7 +220,12 @@ fn parse_common(f: &Fields, d: &Defaults) -> Result<Common, ConfigError> {
     let inter = f.usize("intermediate_size", Some(d.inter), 1, MAX_DIM)?;
     let layers = f.usize("num_hidden_layers", Some(d.layers), 1, MAX_LAYERS)?;
     let heads = f.usize("num_attention_heads", Some(d.heads), 1, 4096)?;
-    let kv_heads = f.usize("num_key_value_heads", Some(d.kv_heads.unwrap_or(heads)), 1, 4096)?;
+    let kv_heads = f.usize(
+        "num_key_value_heads",
+        Some(d.kv_heads.unwrap_or(heads)),
+        1,
+        4096,
+    )?;
     if heads % kv_heads != 0 {
         return Err(f.err(
             "num_key_value_heads",
@@ -231,7 +252,19 @@ fn parse_common(f: &Fields, d: &Defaults) -> Result<Common, ConfigError> {
     let eps = f.float("rms_norm_eps", Some(d.eps), 0.0, 1.0)?;
     let rope_theta = rope_theta(f)?;
     let tie = f.boolean("tie_word_embeddings", d.tie)?;
-    Ok(Common { hidden, inter, layers, heads, kv_heads, head_dim, vocab, max_pos, eps, rope_theta, tie })
+    Ok(Common {
+        hidden,
+        inter,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        vocab,
+        max_pos,
+        eps,
+        rope_theta,
+        tie,
+    })
 }
 
 /// rope_theta lives at the top level (transformers 4.x) or in
@@ -248,7 +281,11 @@ fn rope_theta(f: &Fields) -> Result<f64, ConfigError> {
     Ok(10000.0)
 }
 
-fn parse_llama_like(f: &Fields, model_type: &str, family: Family) -> Result<ModelConfig, ConfigError> {
+fn parse_llama_like(
+    f: &Fields,
+    model_type: &str,
+    family: Family,
+) -> Result<ModelConfig, ConfigError> {
     if f.get("quantization_config").is_some() {
         return Err(f.err(
             "quantization_config",
@@ -319,10 +356,14 @@ fn parse_llama_like(f: &Fields, model_type: &str, family: Family) -> Result<Mode
         let top_k = f.usize("num_experts_per_tok", Some(8), 1, num_experts)?;
         let moe_inter = f.usize("moe_intermediate_size", Some(768), 1, MAX_DIM)?;
         let step = f.usize("decoder_sparse_step", Some(1), 1, MAX_LAYERS)?;
-        let mlp_only = f.usize_list("mlp_only_layers", 0, c.layers - 1)?.unwrap_or_default();
+        let mlp_only = f
+            .usize_list("mlp_only_layers", 0, c.layers - 1)?
+            .unwrap_or_default();
         // transformers: a layer is sparse when it is not in mlp_only_layers,
         // num_experts > 0 and (layer_idx + 1) % decoder_sparse_step == 0.
-        let dense_layers = (0..c.layers).filter(|l| mlp_only.contains(l) || (l + 1) % step != 0).collect();
+        let dense_layers = (0..c.layers)
+            .filter(|l| mlp_only.contains(l) || (l + 1) % step != 0)
+            .collect();
         Some(MoeConfig {
             num_experts,
             top_k,
@@ -372,7 +413,10 @@ fn parse_dsv4(f: &Fields, model_type: &str) -> Result<ModelConfig, ConfigError> 
     };
     let c = parse_common(f, &d)?;
     if c.kv_heads != 1 {
-        return Err(f.err("num_key_value_heads", format!("deepseek_v4 has one shared K=V head, found {}", c.kv_heads)));
+        return Err(f.err(
+            "num_key_value_heads",
+            format!("deepseek_v4 has one shared K=V head, found {}", c.kv_heads),
+        ));
     }
     let num_experts = match f.opt_usize("n_routed_experts", 1, 65536)? {
         Some(n) => n,
@@ -387,20 +431,32 @@ fn parse_dsv4(f: &Fields, model_type: &str) -> Result<ModelConfig, ConfigError> 
     let n_shared = f.usize("n_shared_experts", Some(1), 0, 64)?;
     let qk_rope_head_dim = f.usize("qk_rope_head_dim", Some(64), 0, c.head_dim)?;
     if qk_rope_head_dim % 2 != 0 {
-        return Err(f.err("qk_rope_head_dim", format!("must be even (rotated in pairs), found {qk_rope_head_dim}")));
+        return Err(f.err(
+            "qk_rope_head_dim",
+            format!("must be even (rotated in pairs), found {qk_rope_head_dim}"),
+        ));
     }
     let q_lora_rank = f.usize("q_lora_rank", Some(1024), 1, MAX_DIM)?;
     let o_lora_rank = f.usize("o_lora_rank", Some(1024), 1, MAX_DIM)?;
     let o_groups = f.usize("o_groups", Some(8), 1, c.heads)?;
     if c.heads % o_groups != 0 {
-        return Err(f.err("o_groups", format!("{o_groups} does not divide num_attention_heads = {}", c.heads)));
+        return Err(f.err(
+            "o_groups",
+            format!(
+                "{o_groups} does not divide num_attention_heads = {}",
+                c.heads
+            ),
+        ));
     }
     let sliding_window = f.usize("sliding_window", Some(128), 1, 1 << 31)?;
     let compress_ratios = dsv4_compress_ratios(f, c.layers)?;
     let num_hash_layers = match f.opt_usize("num_hash_layers", 0, c.layers)? {
         Some(n) => n,
         None => match f.get("mlp_layer_types") {
-            Some(serde_json::Value::Array(items)) => items.iter().filter(|v| v.as_str() == Some("hash_moe")).count(),
+            Some(serde_json::Value::Array(items)) => items
+                .iter()
+                .filter(|v| v.as_str() == Some("hash_moe"))
+                .count(),
             Some(_) => return Err(f.err("mlp_layer_types", "expected a list of strings")),
             None => 3.min(c.layers),
         },
@@ -428,12 +484,21 @@ fn parse_dsv4(f: &Fields, model_type: &str) -> Result<ModelConfig, ConfigError> 
         }
         if let Some(sf) = q.string("scale_fmt")? {
             if sf != "ue8m0" {
-                return Err(q.err("scale_fmt", format!("expected \"ue8m0\" (power-of-two scales), found {sf:?}")));
+                return Err(q.err(
+                    "scale_fmt",
+                    format!("expected \"ue8m0\" (power-of-two scales), found {sf:?}"),
+                ));
             }
         }
         if let Some(b) = q.usize_list("weight_block_size", 1, 65536)? {
             if b.len() != 2 {
-                return Err(q.err("weight_block_size", format!("expected two numbers [rows, cols], found {} entries", b.len())));
+                return Err(q.err(
+                    "weight_block_size",
+                    format!(
+                        "expected two numbers [rows, cols], found {} entries",
+                        b.len()
+                    ),
+                ));
             }
             fp8_block = (b[0], b[1]);
             if fp8_block != (128, 128) {
@@ -451,7 +516,10 @@ fn parse_dsv4(f: &Fields, model_type: &str) -> Result<ModelConfig, ConfigError> 
             None | Some("fp4") => true,
             Some("fp8") => false,
             Some(other) => {
-                return Err(f.err("expert_dtype", format!("expected \"fp4\" or \"fp8\", found {other:?}")));
+                return Err(f.err(
+                    "expert_dtype",
+                    format!("expected \"fp4\" or \"fp8\", found {other:?}"),
+                ));
             }
         };
         dense_dtype_v = DenseDtype::Bf16;
@@ -514,11 +582,20 @@ fn parse_dsv4(f: &Fields, model_type: &str) -> Result<ModelConfig, ConfigError> 
 fn dsv4_compress_ratios(f: &Fields, layers: usize) -> Result<Vec<usize>, ConfigError> {
     if let Some(r) = f.usize_list("compress_ratios", 0, 1 << 20)? {
         if r.len() < layers {
-            return Err(f.err("compress_ratios", format!("has {} entries, expected one per layer ({layers} layers)", r.len())));
+            return Err(f.err(
+                "compress_ratios",
+                format!(
+                    "has {} entries, expected one per layer ({layers} layers)",
+                    r.len()
+                ),
+            ));
         }
         for (i, &ratio) in r[..layers].iter().enumerate() {
             if ratio == 1 {
-                return Err(f.err(&format!("compress_ratios[{i}]"), "a ratio of 1 compresses nothing; expected 0 or >= 2"));
+                return Err(f.err(
+                    &format!("compress_ratios[{i}]"),
+                    "a ratio of 1 compresses nothing; expected 0 or >= 2",
+                ));
             }
         }
         return Ok(r[..layers].to_vec());

@@ -80,7 +80,9 @@ impl Format {
             return Some(format!("empty matrix {rows}×{cols}"));
         }
         if self == Format::Fp4 && cols % 32 != 0 {
-            return Some(format!("fp4 needs columns in whole 32-column scale blocks, found {cols} columns"));
+            return Some(format!(
+                "fp4 needs columns in whole 32-column scale blocks, found {cols} columns"
+            ));
         }
         None
     }
@@ -182,7 +184,14 @@ impl Isa {
                 name: "avx512",
                 width: 16,
                 registers: 32,
-                cflags: &["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
+                cflags: &[
+                    "-mavx512f",
+                    "-mavx512bw",
+                    "-mavx512vl",
+                    "-mavx2",
+                    "-mfma",
+                    "-mf16c",
+                ],
                 cpu_features: &["avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"],
                 arch: "x86_64",
                 header: "bs_isa_avx512.h",
@@ -289,64 +298,192 @@ pub fn matrices(cfg: &ModelConfig) -> Vec<MatrixUse> {
     let mut out = Vec::new();
     let mut add = |name: &str, format: Format, rows: usize, cols: usize, per_token: usize| {
         if per_token > 0 {
-            out.push(MatrixUse { name: name.to_string(), format, rows, cols, per_token });
+            out.push(MatrixUse {
+                name: name.to_string(),
+                format,
+                rows,
+                cols,
+                per_token,
+            });
         }
     };
-    let (h, d, nh, nkv, hd) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+    let (h, d, nh, nkv, hd) = (
+        cfg.hidden_size,
+        cfg.head_dim,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+    );
     let layers = cfg.num_layers;
     match cfg.family {
         Family::Llama | Family::Qwen3 | Family::Qwen3Moe => {
             add("model.layers.*.self_attn.q_proj", dense, nh * hd, h, layers);
-            add("model.layers.*.self_attn.k_proj", dense, nkv * hd, h, layers);
-            add("model.layers.*.self_attn.v_proj", dense, nkv * hd, h, layers);
+            add(
+                "model.layers.*.self_attn.k_proj",
+                dense,
+                nkv * hd,
+                h,
+                layers,
+            );
+            add(
+                "model.layers.*.self_attn.v_proj",
+                dense,
+                nkv * hd,
+                h,
+                layers,
+            );
             add("model.layers.*.self_attn.o_proj", dense, h, nh * hd, layers);
             let dense_mlp_layers = match &cfg.moe {
                 Some(m) => m.dense_layers.len(),
                 None => layers,
             };
-            add("model.layers.*.mlp.gate_proj", dense, cfg.intermediate_size, h, dense_mlp_layers);
-            add("model.layers.*.mlp.up_proj", dense, cfg.intermediate_size, h, dense_mlp_layers);
-            add("model.layers.*.mlp.down_proj", dense, h, cfg.intermediate_size, dense_mlp_layers);
+            add(
+                "model.layers.*.mlp.gate_proj",
+                dense,
+                cfg.intermediate_size,
+                h,
+                dense_mlp_layers,
+            );
+            add(
+                "model.layers.*.mlp.up_proj",
+                dense,
+                cfg.intermediate_size,
+                h,
+                dense_mlp_layers,
+            );
+            add(
+                "model.layers.*.mlp.down_proj",
+                dense,
+                h,
+                cfg.intermediate_size,
+                dense_mlp_layers,
+            );
             if let Some(m) = &cfg.moe {
                 let moe_layers = layers - m.dense_layers.len();
                 let mi = m.moe_intermediate_size;
-                add("model.layers.*.mlp.gate", dense, m.num_experts, h, moe_layers);
-                add("model.layers.*.mlp.experts.*.gate_proj", dense, mi, h, moe_layers * m.top_k);
-                add("model.layers.*.mlp.experts.*.up_proj", dense, mi, h, moe_layers * m.top_k);
-                add("model.layers.*.mlp.experts.*.down_proj", dense, h, mi, moe_layers * m.top_k);
+                add(
+                    "model.layers.*.mlp.gate",
+                    dense,
+                    m.num_experts,
+                    h,
+                    moe_layers,
+                );
+                add(
+                    "model.layers.*.mlp.experts.*.gate_proj",
+                    dense,
+                    mi,
+                    h,
+                    moe_layers * m.top_k,
+                );
+                add(
+                    "model.layers.*.mlp.experts.*.up_proj",
+                    dense,
+                    mi,
+                    h,
+                    moe_layers * m.top_k,
+                );
+                add(
+                    "model.layers.*.mlp.experts.*.down_proj",
+                    dense,
+                    h,
+                    mi,
+                    moe_layers * m.top_k,
+                );
             }
-            let head = if cfg.tie_word_embeddings { "model.embed_tokens (tied head)" } else { "lm_head" };
+            let head = if cfg.tie_word_embeddings {
+                "model.embed_tokens (tied head)"
+            } else {
+                "lm_head"
+            };
             add(head, dense, cfg.vocab_size, h, 1);
         }
         Family::DeepseekV4 => {
-            let v4 = cfg.dsv4.as_ref().expect("deepseek_v4 config carries its dsv4 section");
-            let m = cfg.moe.as_ref().expect("deepseek_v4 config carries its moe section");
+            let v4 = cfg
+                .dsv4
+                .as_ref()
+                .expect("deepseek_v4 config carries its dsv4 section");
+            let m = cfg
+                .moe
+                .as_ref()
+                .expect("deepseek_v4 config carries its moe section");
             let fp8 = if v4.fp8_dense { Format::Fp8 } else { dense };
             let expert = if v4.fp4_experts { Format::Fp4 } else { fp8 };
             let hc = v4.hc_mult;
             let mix = (2 + hc) * hc;
-            let csa = v4.compress_ratios.iter().filter(|&&r| r != 0 && r == min_ratio(&v4.compress_ratios)).count();
+            let csa = v4
+                .compress_ratios
+                .iter()
+                .filter(|&&r| r != 0 && r == min_ratio(&v4.compress_ratios))
+                .count();
             let hca = v4.compress_ratios.iter().filter(|&&r| r != 0).count() - csa;
             add("layers.*.hc_attn_fn", Format::F32, mix, hc * h, layers);
             add("layers.*.hc_ffn_fn", Format::F32, mix, hc * h, layers);
             add("layers.*.attn.wq_a", fp8, v4.q_lora_rank, h, layers);
             add("layers.*.attn.wq_b", fp8, nh * d, v4.q_lora_rank, layers);
             add("layers.*.attn.wkv", fp8, d, h, layers);
-            add("layers.*.attn.wo_a (per group)", fp8, v4.o_lora_rank, nh * d / v4.o_groups, layers * v4.o_groups);
-            add("layers.*.attn.wo_b", fp8, h, v4.o_groups * v4.o_lora_rank, layers);
+            add(
+                "layers.*.attn.wo_a (per group)",
+                fp8,
+                v4.o_lora_rank,
+                nh * d / v4.o_groups,
+                layers * v4.o_groups,
+            );
+            add(
+                "layers.*.attn.wo_b",
+                fp8,
+                h,
+                v4.o_groups * v4.o_lora_rank,
+                layers,
+            );
             // Compressed-sparse layers pool overlapping windows: twice the channels.
-            add("layers.*.attn.compressor.{wkv,wgate} (CSA)", dense, 2 * d, h, 2 * csa);
-            add("layers.*.attn.compressor.{wkv,wgate} (HCA)", dense, d, h, 2 * hca);
+            add(
+                "layers.*.attn.compressor.{wkv,wgate} (CSA)",
+                dense,
+                2 * d,
+                h,
+                2 * csa,
+            );
+            add(
+                "layers.*.attn.compressor.{wkv,wgate} (HCA)",
+                dense,
+                d,
+                h,
+                2 * hca,
+            );
             let (ih, id) = (v4.index_n_heads, v4.index_head_dim);
-            add("layers.*.attn.indexer.wq_b", fp8, ih * id, v4.q_lora_rank, csa);
+            add(
+                "layers.*.attn.indexer.wq_b",
+                fp8,
+                ih * id,
+                v4.q_lora_rank,
+                csa,
+            );
             add("layers.*.attn.indexer.weights_proj", dense, ih, h, csa);
-            add("layers.*.attn.indexer.compressor.{wkv,wgate}", dense, 2 * id, h, 2 * csa);
+            add(
+                "layers.*.attn.indexer.compressor.{wkv,wgate}",
+                dense,
+                2 * id,
+                h,
+                2 * csa,
+            );
             add("layers.*.ffn.gate", dense, m.num_experts, h, layers);
             let si = m.moe_intermediate_size * m.n_shared_experts;
-            add("layers.*.ffn.shared_experts.{w1,w3}", fp8, si, h, 2 * layers);
+            add(
+                "layers.*.ffn.shared_experts.{w1,w3}",
+                fp8,
+                si,
+                h,
+                2 * layers,
+            );
             add("layers.*.ffn.shared_experts.w2", fp8, h, si, layers);
             let mi = m.moe_intermediate_size;
-            add("layers.*.ffn.experts.*.{w1,w3}", expert, mi, h, 2 * layers * m.top_k);
+            add(
+                "layers.*.ffn.experts.*.{w1,w3}",
+                expert,
+                mi,
+                h,
+                2 * layers * m.top_k,
+            );
             add("layers.*.ffn.experts.*.w2", expert, h, mi, layers * m.top_k);
             add("hc_head_fn", Format::F32, hc, hc * h, 1);
             add("head", dense, cfg.vocab_size, h, 1);
@@ -356,20 +493,36 @@ pub fn matrices(cfg: &ModelConfig) -> Vec<MatrixUse> {
 }
 
 fn min_ratio(ratios: &[usize]) -> usize {
-    ratios.iter().copied().filter(|&r| r != 0).min().unwrap_or(0)
+    ratios
+        .iter()
+        .copied()
+        .filter(|&r| r != 0)
+        .min()
+        .unwrap_or(0)
 }
 
 /// The attention-decode shapes a model needs.
 pub fn attn_shapes(cfg: &ModelConfig) -> Vec<AttnShape> {
-    vec![AttnShape { head_dim: cfg.head_dim, n_heads: cfg.num_heads, n_kv_heads: cfg.num_kv_heads }]
+    vec![AttnShape {
+        head_dim: cfg.head_dim,
+        n_heads: cfg.num_heads,
+        n_kv_heads: cfg.num_kv_heads,
+    }]
 }
 
 /// A problem found while planning, naming the model and matrix.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PlanError {
     Config(ConfigError),
-    Io { path: String, message: String },
-    Shape { model: String, matrix: String, message: String },
+    Io {
+        path: String,
+        message: String,
+    },
+    Shape {
+        model: String,
+        matrix: String,
+        message: String,
+    },
 }
 
 impl fmt::Display for PlanError {
@@ -377,7 +530,11 @@ impl fmt::Display for PlanError {
         match self {
             PlanError::Config(e) => write!(f, "{e}"),
             PlanError::Io { path, message } => write!(f, "{path}: {message}"),
-            PlanError::Shape { model, matrix, message } => write!(f, "{model}: matrix {matrix}: {message}"),
+            PlanError::Shape {
+                model,
+                matrix,
+                message,
+            } => write!(f, "{model}: matrix {matrix}: {message}"),
         }
     }
 }
@@ -426,9 +583,14 @@ pub fn config_path(entry: &std::path::Path) -> std::path::PathBuf {
 /// Read and parse a model's config.json.
 pub fn load_config(entry: &std::path::Path) -> Result<ModelConfig, PlanError> {
     let path = config_path(entry);
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| PlanError::Io { path: path.display().to_string(), message: format!("cannot read config: {e}") })?;
-    Ok(ModelConfig::from_json_str(&path.display().to_string(), &text)?)
+    let text = std::fs::read_to_string(&path).map_err(|e| PlanError::Io {
+        path: path.display().to_string(),
+        message: format!("cannot read config: {e}"),
+    })?;
+    Ok(ModelConfig::from_json_str(
+        &path.display().to_string(),
+        &text,
+    )?)
 }
 
 /// Plan one model: its matrices (checked against their formats) and attention shapes.
@@ -436,20 +598,36 @@ pub fn plan_model(cfg: &ModelConfig) -> Result<PlannedModel, PlanError> {
     let matrices = matrices(cfg);
     for m in &matrices {
         if let Some(problem) = m.format.shape_problem(m.rows, m.cols) {
-            return Err(PlanError::Shape { model: cfg.source.clone(), matrix: m.name.clone(), message: problem });
+            return Err(PlanError::Shape {
+                model: cfg.source.clone(),
+                matrix: m.name.clone(),
+                message: problem,
+            });
         }
     }
-    Ok(PlannedModel { source: cfg.source.clone(), summary: cfg.describe(), matrices, attn: attn_shapes(cfg) })
+    Ok(PlannedModel {
+        source: cfg.source.clone(),
+        summary: cfg.describe(),
+        matrices,
+        attn: attn_shapes(cfg),
+    })
 }
 
 /// The whole build plan for a set of models, a target and the ISAs compiled.
 pub fn plan(models: &[ModelConfig], isas: Vec<Isa>, target: &str) -> Result<Plan, PlanError> {
-    let planned = models.iter().map(plan_model).collect::<Result<Vec<_>, _>>()?;
+    let planned = models
+        .iter()
+        .map(plan_model)
+        .collect::<Result<Vec<_>, _>>()?;
     let mut mats = BTreeSet::new();
     let mut attn = BTreeSet::new();
     for m in &planned {
         for u in &m.matrices {
-            mats.insert(MatShape { format: u.format, rows: u.rows, cols: u.cols });
+            mats.insert(MatShape {
+                format: u.format,
+                rows: u.rows,
+                cols: u.cols,
+            });
         }
         attn.extend(m.attn.iter().copied());
     }

@@ -25,7 +25,10 @@ impl Rng {
         match self.below(40) {
             0 => 0.0,
             1 => -0.0,
-            2 => f32::from_bits(1 + self.below(0x7F_FFFF) as u32) * if self.below(2) == 0 { 1.0 } else { -1.0 },
+            2 => {
+                f32::from_bits(1 + self.below(0x7F_FFFF) as u32)
+                    * if self.below(2) == 0 { 1.0 } else { -1.0 }
+            }
             3 => self.unit() * 1e30,
             4 => f32::MIN_POSITIVE * self.unit(),
             _ => self.unit() * 4.0,
@@ -54,5 +57,8 @@ pub fn same(a: f32, b: f32) -> bool {
 /// First index where two outputs differ, with both values.
 pub fn first_diff(a: &[f32], b: &[f32]) -> Option<(usize, f32, f32)> {
     assert_eq!(a.len(), b.len(), "output lengths differ");
-    a.iter().zip(b).position(|(x, y)| !same(*x, *y)).map(|i| (i, a[i], b[i]))
+    a.iter()
+        .zip(b)
+        .position(|(x, y)| !same(*x, *y))
+        .map(|i| (i, a[i], b[i]))
 }
