@@ -1,7 +1,13 @@
 /* AVX-512 (F/BW/VL): 16 lanes, one vector per lane group. */
 #ifndef BS_ISA_H
 #define BS_ISA_H
+#ifdef BS_EMULATE_AVX512
+/* Test hook: tools/isa-check.sh compiles these kernels against SIMDe's
+ * portable AVX-512 to run them on CPUs without AVX-512. */
+#include "simde_avx512.h"
+#else
 #include <immintrin.h>
+#endif
 #include "bs_formats.h"
 
 #define BS_W 16

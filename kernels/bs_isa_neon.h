@@ -33,40 +33,39 @@ static inline void bs_dec16_bf16(const void *p, bs_vf o[BS_G]) {
     o[2] = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(b), 16));
     o[3] = vreinterpretq_f32_u32(vshll_n_u16(vget_high_u16(b), 16));
 }
-static inline bs_vf bs_e4m3x4(uint16x4_t h) {
-    uint32x4_t v = vmovl_u16(h);
-    uint32x4_t mag = vandq_u32(v, vdupq_n_u32(0x7F));
-    uint32x4_t sign = vshlq_n_u32(vandq_u32(v, vdupq_n_u32(0x80)), 24);
-    float32x4_t f = vmulq_f32(vreinterpretq_f32_u32(vshlq_n_u32(mag, 20)), vdupq_n_f32(0x1p120f));
-    f = vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(f), sign));
-    return vbslq_f32(vceqq_u32(mag, vdupq_n_u32(0x7F)), vreinterpretq_f32_u32(vdupq_n_u32(BS_NAN_BITS)), f);
+/* E4M3 -> F16 bits by shifting (exact for every code, subnormals included:
+ * the F16 value is the E4M3 value / 256), NaN codes -> F16 NaN, then the
+ * hardware F16 conversion and one exact multiply by 256. */
+static inline void bs_f16x8_to_f32(uint16x8_t h, bs_vf *lo, bs_vf *hi) {
+    float16x8_t f = vreinterpretq_f16_u16(h);
+    *lo = vmulq_f32(vcvt_f32_f16(vget_low_f16(f)), vdupq_n_f32(256.0f));
+    *hi = vmulq_f32(vcvt_high_f32_f16(f), vdupq_n_f32(256.0f));
+}
+static inline uint16x8_t bs_e4m3_to_f16x8(uint8x8_t b) {
+    uint16x8_t t = vshlq_n_u16(vmovl_u8(b), 7);                  /* s at bit 14, magnitude at 7..13 */
+    t = vaddq_u16(t, vandq_u16(t, vdupq_n_u16(0x4000)));         /* sign to bit 15 */
+    uint16x8_t nan = vceqq_u16(vandq_u16(t, vdupq_n_u16(0x7FFF)), vdupq_n_u16(0x3F80));
+    return vorrq_u16(t, vandq_u16(nan, vdupq_n_u16(0x7C00)));
 }
 static inline void bs_dec16_e4m3(const void *p, bs_vf o[BS_G]) {
     uint8x16_t b = vld1q_u8((const uint8_t *)p);
-    uint16x8_t lo = vmovl_u8(vget_low_u8(b)), hi = vmovl_u8(vget_high_u8(b));
-    o[0] = bs_e4m3x4(vget_low_u16(lo));
-    o[1] = bs_e4m3x4(vget_high_u16(lo));
-    o[2] = bs_e4m3x4(vget_low_u16(hi));
-    o[3] = bs_e4m3x4(vget_high_u16(hi));
+    bs_f16x8_to_f32(bs_e4m3_to_f16x8(vget_low_u8(b)), &o[0], &o[1]);
+    bs_f16x8_to_f32(bs_e4m3_to_f16x8(vget_high_u8(b)), &o[2], &o[3]);
 }
-/* Magnitude codes 0..7 -> doubled values 0 1 2 3 4 6 8 12 by one table look-up
- * (vqtbl1q), halved exactly after conversion; the sign bit (code bit 3) is
- * moved to bit 31 so code 8 decodes to -0. */
+/* E2M1 values are F16 values with a zero low byte: one table look-up
+ * (vqtbl1q) gives the high byte of 16 codes, sign included (code 8 is -0). */
 static inline void bs_dec16_e2m1(const void *p, bs_vf o[BS_G]) {
-    static const uint8_t dbl[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0};
+    static const uint8_t f16_hi[16] = {0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46,
+                                       0x80, 0xB8, 0xBC, 0xBE, 0xC0, 0xC2, 0xC4, 0xC6};
     uint8x8_t b = vld1_u8((const uint8_t *)p);
     uint8x8x2_t z = vzip_u8(vand_u8(b, vdup_n_u8(0x0F)), vshr_n_u8(b, 4));
-    uint8x16_t codes = vcombine_u8(z.val[0], z.val[1]);
-    uint8x16_t mag = vqtbl1q_u8(vld1q_u8(dbl), vandq_u8(codes, vdupq_n_u8(7)));
-    uint8x16_t sgn = vshrq_n_u8(codes, 3);
-    uint16x8_t m16[2] = {vmovl_u8(vget_low_u8(mag)), vmovl_u8(vget_high_u8(mag))};
-    uint16x8_t s16[2] = {vmovl_u8(vget_low_u8(sgn)), vmovl_u8(vget_high_u8(sgn))};
-    for (int i = 0; i < 4; ++i) {
-        uint16x4_t mh = (i & 1) ? vget_high_u16(m16[i >> 1]) : vget_low_u16(m16[i >> 1]);
-        uint16x4_t sh = (i & 1) ? vget_high_u16(s16[i >> 1]) : vget_low_u16(s16[i >> 1]);
-        float32x4_t v = vmulq_f32(vcvtq_f32_u32(vmovl_u16(mh)), vdupq_n_f32(0.5f));
-        o[i] = vreinterpretq_f32_u32(veorq_u32(vreinterpretq_u32_f32(v), vshlq_n_u32(vmovl_u16(sh), 31)));
-    }
+    uint8x16_t h = vqtbl1q_u8(vld1q_u8(f16_hi), vcombine_u8(z.val[0], z.val[1]));
+    uint8x16x2_t w = vzipq_u8(vdupq_n_u8(0), h); /* little endian: (0, hi) = hi << 8 */
+    float16x8_t a = vreinterpretq_f16_u8(w.val[0]), c = vreinterpretq_f16_u8(w.val[1]);
+    o[0] = vcvt_f32_f16(vget_low_f16(a));
+    o[1] = vcvt_high_f32_f16(a);
+    o[2] = vcvt_f32_f16(vget_low_f16(c));
+    o[3] = vcvt_high_f32_f16(c);
 }
 
 static inline void bs_store16(float *t, const bs_vf a[BS_G]) { for (int i = 0; i < 4; ++i) vst1q_f32(t + 4 * i, a[i]); }

@@ -205,7 +205,11 @@ pub fn build() -> BuildResult<()> {
     )
     .unwrap();
     writeln!(table, "pub static MAT_KERNELS: &[MatKernel] = &[").unwrap();
-    for &isa in &isas {
+    // Every ISA's sources are rendered (cheap, and tools/isa-check.sh checks
+    // the ones this target cannot run under emulation); only the target's
+    // are compiled, declared and put in the dispatch table.
+    for isa in plan::ISAS {
+        let compiled = isas.contains(&isa);
         let desc = isa.desc();
         for f in FORMATS {
             let shapes: Vec<&MatShape> = the_plan
@@ -235,6 +239,9 @@ pub fn build() -> BuildResult<()> {
                 })
                 .collect();
             for s in std::iter::once(&generic).chain(shape_ctx.iter()) {
+                if !compiled {
+                    continue;
+                }
                 mat_fns.push(FnDecl {
                     op: "matvec",
                     symbol: s.matvec.clone(),
@@ -259,11 +266,14 @@ pub fn build() -> BuildResult<()> {
             ctx.insert("shapes", &shape_ctx);
             let path = gen.join(format!("mat_{}_{}.c", f.name(), isa.name()));
             write_if_changed(&path, &render("matmul.c.tera", &ctx)?)?;
-            sources.push((isa, path));
+            if compiled {
+                sources.push((isa, path));
+            }
         }
     }
     writeln!(table, "];\n\npub static ATTN_KERNELS: &[AttnKernel] = &[").unwrap();
-    for &isa in &isas {
+    for isa in plan::ISAS {
+        let compiled = isas.contains(&isa);
         let generic = plan::attn_symbol(isa, None);
         let shapes: Vec<AttnCtx> = the_plan
             .attn_shapes
@@ -275,6 +285,16 @@ pub fn build() -> BuildResult<()> {
                 symbol: plan::attn_symbol(isa, Some(s)),
             })
             .collect();
+        let mut ctx = tera::Context::new();
+        ctx.insert("isa", &isa.desc());
+        ctx.insert("generic", &generic);
+        ctx.insert("shapes", &shapes);
+        let path = gen.join(format!("attn_{}.c", isa.name()));
+        write_if_changed(&path, &render("attn.c.tera", &ctx)?)?;
+        if !compiled {
+            continue;
+        }
+        sources.push((isa, path));
         writeln!(
             table,
             "    AttnKernel {{ isa: Isa::{isa:?}, shape: None, f: ffi::{generic} }},"
@@ -296,13 +316,6 @@ pub fn build() -> BuildResult<()> {
             op: "attn_decode",
             symbol: generic.clone(),
         });
-        let mut ctx = tera::Context::new();
-        ctx.insert("isa", &isa.desc());
-        ctx.insert("generic", &generic);
-        ctx.insert("shapes", &shapes);
-        let path = gen.join(format!("attn_{}.c", isa.name()));
-        write_if_changed(&path, &render("attn.c.tera", &ctx)?)?;
-        sources.push((isa, path));
     }
     writeln!(table, "];").unwrap();
     writeln!(

@@ -6,7 +6,8 @@ set -euo pipefail
 need=()
 command -v cc >/dev/null 2>&1 || need+=(gcc)
 # bindgen loads libclang at build time.
-if ! ls /usr/lib/llvm-*/lib/libclang*.so* /usr/lib/x86_64-linux-gnu/libclang*.so* /usr/lib/aarch64-linux-gnu/libclang*.so* >/dev/null 2>&1; then
+found=$(ls /usr/lib/llvm-*/lib/libclang*.so* /usr/lib/*-linux-gnu/libclang*.so* 2>/dev/null | head -1 || true)
+if [ -z "$found" ] && [ -z "${LIBCLANG_PATH:-}" ]; then
   need+=(libclang-dev)
 fi
 if ((${#need[@]})); then

@@ -1,0 +1,148 @@
+/* Runs one ISA variant's generic kernels against the scalar variant on
+ * awkward shapes and inputs (zeros, -0, subnormals, huge values, NaN scale
+ * bytes) and reports mismatches; the two must agree bit for bit. Built by
+ * tools/isa-check.sh with -DISA=<name> for variants this machine cannot run
+ * natively (AVX-512 through SIMDe, NEON under qemu-aarch64). */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CAT3(a, b, c) a##b##c
+#define SYM(op, fmt, isa) CAT3(bs_##op##_##fmt##_, isa, _generic)
+#define ATTN(isa) CAT3(bs_attn_decode_, isa, _generic)
+#define STR2(x) #x
+#define STR(x) STR2(x)
+
+typedef void mv_fn(const void *, const uint8_t *, const float *, float *, size_t, size_t, size_t, size_t);
+typedef void mm_fn(const void *, const uint8_t *, const float *, float *, size_t, size_t, size_t, size_t, size_t);
+typedef void at_fn(const float *, const float *, const float *, const float *, float *, float *, size_t, size_t,
+                   size_t, size_t, size_t, size_t, float, size_t, size_t);
+
+#define DECL(fmt, isa) mv_fn SYM(matvec, fmt, isa); mm_fn SYM(matmul, fmt, isa);
+DECL(f32, scalar) DECL(bf16, scalar) DECL(fp8, scalar) DECL(fp4, scalar)
+DECL(f32, ISA) DECL(bf16, ISA) DECL(fp8, ISA) DECL(fp4, ISA)
+at_fn ATTN(scalar);
+at_fn ATTN(ISA);
+
+static uint64_t state = 0x9E3779B97F4A7C15ull;
+static uint64_t rnd(void) {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    return state;
+}
+static float unit(void) { return (float)(rnd() % 2000001) / 1e6f - 1.0f; }
+static float activation(void) {
+    switch (rnd() % 40) {
+    case 0: return 0.0f;
+    case 1: return -0.0f;
+    case 2: {
+        uint32_t b = 1 + (uint32_t)(rnd() % 0x7FFFFF);
+        float f;
+        memcpy(&f, &b, 4);
+        return f;
+    }
+    case 3: return unit() * 1e30f;
+    default: return unit() * 4.0f;
+    }
+}
+static uint8_t scale_byte(void) {
+    switch (rnd() % 50) {
+    case 0: return 0xFF;
+    case 1: return 0;
+    case 2: return 254;
+    default: return (uint8_t)(118 + rnd() % 16);
+    }
+}
+static int same(float a, float b) {
+    uint32_t x, y;
+    memcpy(&x, &a, 4);
+    memcpy(&y, &b, 4);
+    return x == y || (isnan(a) && isnan(b));
+}
+
+static int mismatches, checks;
+
+static void compare(const char *what, const float *a, const float *b, size_t n) {
+    checks++;
+    for (size_t i = 0; i < n; ++i)
+        if (!same(a[i], b[i])) {
+            if (mismatches < 10) printf("MISMATCH %s [%zu]: scalar %a, " STR(ISA) " %a\n", what, i, a[i], b[i]);
+            mismatches++;
+        }
+}
+
+struct fmt {
+    const char *name;
+    int elem_bytes; /* 0 = fp4 */
+    mv_fn *mv_ref, *mv;
+    mm_fn *mm_ref, *mm;
+};
+
+int main(void) {
+    struct fmt fmts[4] = {
+        {"f32", 4, SYM(matvec, f32, scalar), SYM(matvec, f32, ISA), SYM(matmul, f32, scalar), SYM(matmul, f32, ISA)},
+        {"bf16", 2, SYM(matvec, bf16, scalar), SYM(matvec, bf16, ISA), SYM(matmul, bf16, scalar), SYM(matmul, bf16, ISA)},
+        {"fp8", 1, SYM(matvec, fp8, scalar), SYM(matvec, fp8, ISA), SYM(matmul, fp8, scalar), SYM(matmul, fp8, ISA)},
+        {"fp4", 0, SYM(matvec, fp4, scalar), SYM(matvec, fp4, ISA), SYM(matmul, fp4, scalar), SYM(matmul, fp4, ISA)},
+    };
+    static const size_t shapes[][2] = {{1, 1}, {1, 17}, {3, 15}, {5, 16}, {37, 100}, {130, 33}, {9, 257},
+                                       {1, 32}, {7, 96}, {33, 160}, {130, 64}, {129, 130}, {200, 300}, {2, 2048}};
+    char what[128];
+    for (int f = 0; f < 4; ++f)
+        for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; ++si) {
+            size_t rows = shapes[si][0], cols = shapes[si][1];
+            if (fmts[f].elem_bytes == 0 && cols % 32) continue;
+            size_t n = rows * cols, wbytes = fmts[f].elem_bytes ? n * (size_t)fmts[f].elem_bytes : n / 2;
+            uint8_t *w = malloc(wbytes);
+            for (size_t i = 0; i < wbytes; ++i) w[i] = (uint8_t)rnd();
+            if (fmts[f].elem_bytes == 4)
+                for (size_t i = 0; i < n; ++i) ((float *)w)[i] = activation();
+            if (fmts[f].elem_bytes == 2)
+                for (size_t i = 0; i < n; ++i) {
+                    float a = unit() * 2.0f;
+                    uint32_t b;
+                    memcpy(&b, &a, 4);
+                    ((uint16_t *)w)[i] = (uint16_t)(b >> 16);
+                }
+            size_t nscale = n + 16;
+            uint8_t *sc = malloc(nscale);
+            for (size_t i = 0; i < nscale; ++i) sc[i] = scale_byte();
+            const size_t tokens = 7;
+            float *x = malloc(tokens * cols * 4), *y0 = malloc(tokens * rows * 4), *y1 = malloc(tokens * rows * 4);
+            for (size_t i = 0; i < tokens * cols; ++i) x[i] = activation();
+            fmts[f].mv_ref(w, sc, x, y0, rows, cols, 0, rows);
+            fmts[f].mv(w, sc, x, y1, rows, cols, 0, rows);
+            snprintf(what, sizeof what, "%s matvec %zux%zu", fmts[f].name, rows, cols);
+            compare(what, y0, y1, rows);
+            for (size_t t = 1; t <= tokens; t += 3) {
+                fmts[f].mm_ref(w, sc, x, y0, rows, cols, t, 0, rows);
+                fmts[f].mm(w, sc, x, y1, rows, cols, t, 0, rows);
+                snprintf(what, sizeof what, "%s matmul %zux%zu n=%zu", fmts[f].name, rows, cols, t);
+                compare(what, y0, y1, t * rows);
+            }
+            free(w), free(sc), free(x), free(y0), free(y1);
+        }
+    static const size_t cases[][4] = {{16, 8, 8, 17}, {33, 6, 3, 100}, {64, 4, 1, 5}, {18, 4, 2, 40}, {512, 2, 1, 150}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; ++c) {
+        size_t hd = cases[c][0], h = cases[c][1], kv = cases[c][2], t = cases[c][3], stride = kv * hd + 3;
+        float *q = malloc(h * hd * 4), *k = malloc(t * stride * 4), *v = malloc(t * stride * 4);
+        float *sinks = malloc(h * 4), *o0 = malloc(h * hd * 4), *o1 = malloc(h * hd * 4), *scratch = malloc((t + 16) * 4);
+        for (size_t i = 0; i < h * hd; ++i) q[i] = unit();
+        for (size_t i = 0; i < t * stride; ++i) k[i] = unit(), v[i] = activation();
+        for (size_t i = 0; i < h; ++i) sinks[i] = unit() * 3.0f;
+        for (int mode = 0; mode < 3; ++mode) {
+            const float *s = mode ? sinks : NULL;
+            size_t window = mode == 2 ? 7 : 0;
+            ATTN(scalar)(q, k, v, s, o0, scratch, h, kv, hd, stride, t, window, 0.125f, 0, h);
+            ATTN(ISA)(q, k, v, s, o1, scratch, h, kv, hd, stride, t, window, 0.125f, 0, h);
+            snprintf(what, sizeof what, "attention hd=%zu h=%zu kv=%zu t=%zu mode=%d", hd, h, kv, t, mode);
+            compare(what, o0, o1, h * hd);
+        }
+        free(q), free(k), free(v), free(sinks), free(o0), free(o1), free(scratch);
+    }
+    printf("%s vs scalar: %d kernel checks, %d mismatching values\n", STR(ISA), checks, mismatches);
+    return mismatches != 0;
+}

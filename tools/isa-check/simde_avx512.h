@@ -1,0 +1,37 @@
+/* AVX-512 intrinsics from SIMDe (libsimde-dev), for running the AVX-512
+ * kernels on a CPU without AVX-512 (tools/isa-check.sh). */
+#ifndef BS_SIMDE_AVX512_H
+#define BS_SIMDE_AVX512_H
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#include <simde/x86/f16c.h>
+
+/* SIMDe 0.7 has no 512-bit vcvtph2ps: two 256-bit halves. */
+#ifndef _mm512_cvtph_ps
+static inline simde__m512 bs_emu_mm512_cvtph_ps(simde__m256i h) {
+    simde__m256 lo = simde_mm256_cvtph_ps(simde_mm256_castsi256_si128(h));
+    simde__m256 hi = simde_mm256_cvtph_ps(simde_mm256_extracti128_si256(h, 1));
+    return simde_mm512_insertf32x8(simde_mm512_castps256_ps512(lo), hi, 1);
+}
+#define _mm512_cvtph_ps(h) bs_emu_mm512_cvtph_ps(h)
+#endif
+
+/* Conversions SIMDe 0.7 lacks at 512 bits, from two 256-bit halves. */
+static inline simde__m512i bs_emu_join(simde__m256i lo, simde__m256i hi) {
+    return simde_mm512_inserti64x4(simde_mm512_castsi256_si512(lo), hi, 1);
+}
+static inline simde__m512i bs_emu_cvtepu16_epi32(simde__m256i a) {
+    return bs_emu_join(simde_mm256_cvtepu16_epi32(simde_mm256_castsi256_si128(a)),
+                       simde_mm256_cvtepu16_epi32(simde_mm256_extracti128_si256(a, 1)));
+}
+static inline simde__m512i bs_emu_cvtepu8_epi32(simde__m128i a) {
+    return bs_emu_join(simde_mm256_cvtepu8_epi32(a), simde_mm256_cvtepu8_epi32(simde_mm_srli_si128(a, 8)));
+}
+static inline simde__m512i bs_emu_cvtps_epi32(simde__m512 a) {
+    return bs_emu_join(simde_mm256_cvtps_epi32(simde_mm512_castps512_ps256(a)),
+                       simde_mm256_cvtps_epi32(simde_mm256_castpd_ps(simde_mm512_extractf64x4_pd(simde_mm512_castps_pd(a), 1))));
+}
+#define _mm512_cvtepu16_epi32(a) bs_emu_cvtepu16_epi32(a)
+#define _mm512_cvtepu8_epi32(a) bs_emu_cvtepu8_epi32(a)
+#define _mm512_cvtps_epi32(a) bs_emu_cvtps_epi32(a)
+#endif
