@@ -84,10 +84,9 @@ pub fn llc_bytes() -> usize {
     }
 }
 
-/// Per-call seconds: median, min, max over samples of `batch` calls each.
-fn time_calls(mut f: impl FnMut(), samples: usize, min_sample: Duration) -> (f64, f64, f64) {
+/// Calls per sample so that one sample takes at least `min_sample`.
+fn calibrate(f: &mut dyn FnMut(), min_sample: Duration) -> usize {
     f();
-    // Size the batch so one sample takes at least min_sample.
     let mut batch = 1usize;
     loop {
         let t = Instant::now();
@@ -96,23 +95,40 @@ fn time_calls(mut f: impl FnMut(), samples: usize, min_sample: Duration) -> (f64
         }
         let e = t.elapsed();
         if e >= min_sample || batch >= 1 << 20 {
-            break;
+            return batch;
         }
         batch = (batch * 2).max(
             (batch as f64 * min_sample.as_secs_f64() / e.as_secs_f64().max(1e-9)) as usize / 2,
         );
     }
-    let mut v: Vec<f64> = (0..samples)
-        .map(|_| {
+}
+
+/// Per-call seconds (median, min, max) of each function, with the samples
+/// of all functions interleaved so that drift on a noisy machine hits them
+/// alike (an A/B measured side by side).
+fn time_interleaved(
+    fs: &mut [&mut dyn FnMut()],
+    samples: usize,
+    min_sample: Duration,
+) -> Vec<(f64, f64, f64)> {
+    let batches: Vec<usize> = fs.iter_mut().map(|f| calibrate(*f, min_sample)).collect();
+    let mut times = vec![Vec::with_capacity(samples); fs.len()];
+    for _ in 0..samples {
+        for (i, f) in fs.iter_mut().enumerate() {
             let t = Instant::now();
-            for _ in 0..batch {
+            for _ in 0..batches[i] {
                 f();
             }
-            t.elapsed().as_secs_f64() / batch as f64
+            times[i].push(t.elapsed().as_secs_f64() / batches[i] as f64);
+        }
+    }
+    times
+        .into_iter()
+        .map(|mut v| {
+            v.sort_by(|a, b| a.total_cmp(b));
+            (v[v.len() / 2], v[0], v[v.len() - 1])
         })
-        .collect();
-    v.sort_by(|a, b| a.total_cmp(b));
-    (v[v.len() / 2], v[0], v[v.len() - 1])
+        .collect()
 }
 
 /// A plain streaming read of `buf` split over the pool's threads.
@@ -136,13 +152,10 @@ fn stream_read(buf: &[u64]) -> u64 {
 /// Read bandwidth in GB/s with the current pool.
 pub fn read_bandwidth(bytes: usize, samples: usize) -> f64 {
     let buf: Vec<u64> = (0..bytes / 8).map(|i| i as u64).collect();
-    let (med, _, _) = time_calls(
-        || {
-            black_box(stream_read(black_box(&buf)));
-        },
-        samples,
-        Duration::from_millis(1),
-    );
+    let mut read = || {
+        black_box(stream_read(black_box(&buf)));
+    };
+    let (med, _, _) = time_interleaved(&mut [&mut read], samples, Duration::from_millis(1))[0];
     bytes as f64 / med / 1e9
 }
 
@@ -310,7 +323,6 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
         let x: Vec<f32> = (0..cols)
             .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
             .collect();
-        let mut y = vec![0f32; rows];
         for k in &variants {
             let kinds: Vec<(&str, &MatKernel)> = [
                 k.mat_kernel_specialised(format, rows, cols)
@@ -327,35 +339,46 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                     .find(|b| b.threads == t)
                     .map(|b| b.gb_per_s)
                     .unwrap_or(f64::NAN);
-                for (kind, kern) in &kinds {
-                    for residency in ["cache", "stream"] {
-                        done += 1;
-                        if residency == "stream" && stream.is_empty() {
-                            continue;
-                        }
-                        eprint!("\r[{done}/{total}] {format} {rows}x{cols} {} {kind} {t}t {residency}          ", k.isa());
-                        let mats: Vec<Matrix> = if residency == "cache" {
-                            vec![matrix(format, rows, cols, &one)]
-                        } else {
-                            stream
-                                .iter()
-                                .map(|w| matrix(format, rows, cols, w))
-                                .collect()
-                        };
-                        let mut i = 0;
-                        let (med, min, max) = pool.install(|| {
-                            time_calls(
-                                || {
-                                    let m = &mats[i % mats.len()];
-                                    i += 1;
-                                    k.matvec_with(kern, m, &x, &mut y)
-                                        .expect("benchmark matvec");
-                                    black_box(&y);
-                                },
-                                samples,
-                                min_sample,
-                            )
-                        });
+                for residency in ["cache", "stream"] {
+                    done += kinds.len();
+                    if residency == "stream" && stream.is_empty() {
+                        continue;
+                    }
+                    eprint!(
+                        "\r[{done}/{total}] {format} {rows}x{cols} {} {t}t {residency}          ",
+                        k.isa()
+                    );
+                    let mats: Vec<Matrix> = if residency == "cache" {
+                        vec![matrix(format, rows, cols, &one)]
+                    } else {
+                        stream
+                            .iter()
+                            .map(|w| matrix(format, rows, cols, w))
+                            .collect()
+                    };
+                    // Specialised and generic timed side by side, samples interleaved.
+                    let mut calls: Vec<Box<dyn FnMut() + Send>> = kinds
+                        .iter()
+                        .map(|(_, kern)| {
+                            let (mats, x, k, kern) = (&mats, &x, *k, *kern);
+                            let mut y = vec![0f32; rows];
+                            let mut i = 0;
+                            Box::new(move || {
+                                let m = &mats[i % mats.len()];
+                                i += 1;
+                                k.matvec_with(kern, m, x, &mut y).expect("benchmark matvec");
+                                black_box(&y);
+                            }) as Box<dyn FnMut() + Send>
+                        })
+                        .collect();
+                    let stats = pool.install(|| {
+                        let mut refs: Vec<&mut dyn FnMut()> = calls
+                            .iter_mut()
+                            .map(|c| c.as_mut() as &mut dyn FnMut())
+                            .collect();
+                        time_interleaved(&mut refs, samples, min_sample)
+                    });
+                    for ((kind, _), (med, min, max)) in kinds.iter().zip(stats) {
                         let gb = bytes as f64 / med / 1e9;
                         results.push(KernelResult {
                             format: format.to_string(),

@@ -14,7 +14,8 @@ use std::path::{Path, PathBuf};
 /// Models planned for when BESPOKE_MODEL is not set: the bundled tiny fixture
 /// and DeepSeek V4 Flash's config (shapes only), so the default build and
 /// `cargo bench` cover the shapes this toolkit exists for.
-pub const DEFAULT_MODELS: &str = "fixtures/tiny-llama,fixtures/configs/deepseek-v4-flash.json";
+pub const DEFAULT_MODELS: &str =
+    "fixtures/tiny-llama,fixtures/configs/deepseek-v4-flash.json,fixtures/configs/deepseek-v4-flash-bf16.json";
 
 type BuildResult<T> = Result<T, String>;
 

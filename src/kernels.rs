@@ -120,6 +120,17 @@ pub enum Weights<'a> {
     },
 }
 
+impl Weights<'_> {
+    pub fn format(&self) -> Format {
+        match self {
+            Weights::F32(_) => Format::F32,
+            Weights::Bf16(_) => Format::Bf16,
+            Weights::Fp8 { .. } => Format::Fp8,
+            Weights::Fp4 { .. } => Format::Fp4,
+        }
+    }
+}
+
 /// A weight matrix whose buffers have been checked against its shape.
 #[derive(Clone, Copy)]
 pub struct Matrix<'a> {
@@ -142,12 +153,7 @@ fn check_len(what: &str, expected: usize, found: usize) -> Result<(), KernelErro
 impl<'a> Matrix<'a> {
     /// Check the buffers against [rows, cols] in the format's layout.
     pub fn new(rows: usize, cols: usize, weights: Weights<'a>) -> Result<Self, KernelError> {
-        let format = match weights {
-            Weights::F32(_) => Format::F32,
-            Weights::Bf16(_) => Format::Bf16,
-            Weights::Fp8 { .. } => Format::Fp8,
-            Weights::Fp4 { .. } => Format::Fp4,
-        };
+        let format = weights.format();
         if let Some(p) = format.shape_problem(rows, cols) {
             return Err(KernelError::Shape(p));
         }
@@ -184,12 +190,7 @@ impl<'a> Matrix<'a> {
         self.weights
     }
     pub fn format(&self) -> Format {
-        match self.weights {
-            Weights::F32(_) => Format::F32,
-            Weights::Bf16(_) => Format::Bf16,
-            Weights::Fp8 { .. } => Format::Fp8,
-            Weights::Fp4 { .. } => Format::Fp4,
-        }
+        self.weights.format()
     }
     /// Bytes of weights and scales.
     pub fn bytes(&self) -> usize {
