@@ -137,15 +137,7 @@ fn stream_read(buf: &[u64]) -> u64 {
     let threads = rayon::current_num_threads();
     let chunk = buf.len().div_ceil(threads).max(1024);
     buf.par_chunks(chunk)
-        .map(|c| {
-            let mut acc = [0u64; 8];
-            for w in c.chunks_exact(8) {
-                for i in 0..8 {
-                    acc[i] = acc[i].wrapping_add(w[i]);
-                }
-            }
-            acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
-        })
+        .map(crate::kernels::stream_read)
         .reduce(|| 0, |a, b| a.wrapping_add(b))
 }
 

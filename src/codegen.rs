@@ -402,6 +402,9 @@ fn compile(root: &Path, gen: &Path, sources: &[(Isa, PathBuf)]) -> BuildResult<(
                 b.file(path);
             }
         }
+        if isa == Isa::Scalar {
+            b.file(root.join("kernels/bs_read.c"));
+        }
         objects.extend(
             b.try_compile_intermediates()
                 .map_err(|e| format!("compiling the {isa} kernels: {e}"))?,

@@ -79,6 +79,13 @@ include!(concat!(env!("OUT_DIR"), "/dispatch_table.rs"));
 /// The plan build.rs used, as JSON.
 pub const BUILD_PLAN_JSON: &str = include_str!(concat!(env!("OUT_DIR"), "/plan.json"));
 
+/// Sum of the words of `buf`: a plain streaming read, compiled like the
+/// kernels (the benchmark's bandwidth reference).
+pub fn stream_read(buf: &[u64]) -> u64 {
+    // SAFETY: reads exactly buf.len() words from a live slice.
+    unsafe { ffi::bs_stream_read(buf.as_ptr(), buf.len()) }
+}
+
 /// Errors from the kernel layer: always say what was expected.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum KernelError {
@@ -431,9 +438,74 @@ impl Kernels {
         x: &[f32],
         y: &mut [f32],
     ) -> Result<(), KernelError> {
-        self.check_kernel(k, m)?;
         check_len("matvec input x", m.cols, x.len())?;
         check_len("matvec output y", m.rows, y.len())?;
+        let f = k.matvec;
+        // SAFETY (of the call below): run_rows checked the kernel against the
+        // matrix; Matrix::new checked the weight and scale lengths for
+        // rows×cols; x has cols and y rows elements (checked above);
+        // 0 <= r0 <= r1 <= rows; concurrent calls write disjoint rows of y.
+        self.run_rows(
+            k,
+            m,
+            x,
+            y,
+            1,
+            move |w, s, x, y, rows, cols, r0, r1| unsafe { f(w, s, x, y, rows, cols, r0, r1) },
+        )
+    }
+
+    /// Y = W X with a given kernel.
+    pub fn matmul_with(
+        &self,
+        k: &MatKernel,
+        m: &Matrix,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let xn = n
+            .checked_mul(m.cols)
+            .ok_or_else(|| KernelError::Shape("n × cols overflows".into()))?;
+        let yn = n
+            .checked_mul(m.rows)
+            .ok_or_else(|| KernelError::Shape("n × rows overflows".into()))?;
+        check_len(&format!("matmul input X [{n}, {}]", m.cols), xn, x.len())?;
+        check_len(&format!("matmul output Y [{n}, {}]", m.rows), yn, y.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = k.matmul;
+        // SAFETY (of the call below): as in matvec_with; X has n×cols and Y
+        // n×rows elements, and concurrent calls write disjoint rows r0..r1 of
+        // every token's output.
+        self.run_rows(
+            k,
+            m,
+            x,
+            y,
+            n,
+            move |w, s, x, y, rows, cols, r0, r1| unsafe { f(w, s, x, y, rows, cols, n, r0, r1) },
+        )
+    }
+
+    /// Check the kernel, then call `call(w, scale, x, y, rows, cols, r0, r1)`
+    /// over row ranges covering 0..rows, in parallel when worth it. The
+    /// caller has checked x and y for `n` tokens.
+    #[allow(clippy::type_complexity)]
+    fn run_rows(
+        &self,
+        k: &MatKernel,
+        m: &Matrix,
+        x: &[f32],
+        y: &mut [f32],
+        n: usize,
+        call: impl Fn(*const c_void, *const u8, *const f32, *mut f32, usize, usize, usize, usize)
+            + Sync
+            + Send
+            + Copy,
+    ) -> Result<(), KernelError> {
+        self.check_kernel(k, m)?;
         let (w, s) = m.ptrs();
         let (w, s, xp, yp) = (
             SendPtr(w),
@@ -441,18 +513,12 @@ impl Kernels {
             SendPtr(x.as_ptr()),
             SendPtr(y.as_mut_ptr()),
         );
-        let f = k.matvec;
         let (rows, cols) = (m.rows, m.cols);
         let run = move |r0: usize, r1: usize| {
             let (w, s, xp, yp) = (w, s, xp, yp);
-            // SAFETY: Matrix::new checked the weight and scale lengths for
-            // rows×cols in this format; x has cols and y rows elements (checked
-            // above); 0 <= r0 <= r1 <= rows; a specialised kernel is only used
-            // on its own shape (check_kernel). Concurrent calls write disjoint
-            // rows r0..r1 of y.
-            unsafe { f(w.0, s.0, xp.0, yp.0, rows, cols, r0, r1) }
+            call(w.0, s.0, xp.0, yp.0, rows, cols, r0, r1)
         };
-        self.par_rows(rows, rows * cols, run);
+        self.par_rows(rows, rows * cols * n, run);
         Ok(())
     }
 
@@ -479,46 +545,6 @@ impl Kernels {
         let (w, s) = m.ptrs();
         // SAFETY: lengths checked as in matvec_with and r0 <= r1 <= rows.
         unsafe { (k.matvec)(w, s, x.as_ptr(), y.as_mut_ptr(), m.rows, m.cols, r0, r1) };
-        Ok(())
-    }
-
-    /// Y = W X with a given kernel.
-    pub fn matmul_with(
-        &self,
-        k: &MatKernel,
-        m: &Matrix,
-        x: &[f32],
-        n: usize,
-        y: &mut [f32],
-    ) -> Result<(), KernelError> {
-        self.check_kernel(k, m)?;
-        let xn = n
-            .checked_mul(m.cols)
-            .ok_or_else(|| KernelError::Shape("n × cols overflows".into()))?;
-        let yn = n
-            .checked_mul(m.rows)
-            .ok_or_else(|| KernelError::Shape("n × rows overflows".into()))?;
-        check_len(&format!("matmul input X [{n}, {}]", m.cols), xn, x.len())?;
-        check_len(&format!("matmul output Y [{n}, {}]", m.rows), yn, y.len())?;
-        if n == 0 {
-            return Ok(());
-        }
-        let (w, s) = m.ptrs();
-        let (w, s, xp, yp) = (
-            SendPtr(w),
-            SendPtr(s),
-            SendPtr(x.as_ptr()),
-            SendPtr(y.as_mut_ptr()),
-        );
-        let f = k.matmul;
-        let (rows, cols) = (m.rows, m.cols);
-        let run = move |r0: usize, r1: usize| {
-            let (w, s, xp, yp) = (w, s, xp, yp);
-            // SAFETY: as in matvec_with; X has n×cols and Y n×rows elements, and
-            // concurrent calls write disjoint rows r0..r1 of every token's output.
-            unsafe { f(w.0, s.0, xp.0, yp.0, rows, cols, n, r0, r1) }
-        };
-        self.par_rows(rows, rows * cols * n, run);
         Ok(())
     }
 

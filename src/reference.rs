@@ -4,7 +4,7 @@
 //! Slow on purpose: clarity over speed.
 
 use crate::formats;
-use crate::kernels::{Matrix, Weights};
+use crate::kernels::{AttnArgs, Matrix, Weights};
 
 /// The fixed reduction tree over 16 lanes: (l, l+8), (l, l+4), (l, l+2), (0, 1).
 pub fn reduce16(a: &[f32; 16]) -> f32 {
@@ -128,22 +128,8 @@ pub fn exp(x: f32) -> f32 {
     }
 }
 
-/// Arguments of one attention-decode call (see `kernels::AttnArgs`).
-pub struct AttnRef<'a> {
-    pub q: &'a [f32],
-    pub k: &'a [f32],
-    pub v: &'a [f32],
-    pub sinks: Option<&'a [f32]>,
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-    pub kv_stride: usize,
-    pub t_len: usize,
-    pub window: usize,
-    pub scale: f32,
-}
-
-pub fn attn_decode<'a>(a: &AttnRef<'a>) -> Vec<f32> {
+/// Attention decode for one query, as the kernels define it.
+pub fn attn_decode<'a>(a: &AttnArgs<'a>) -> Vec<f32> {
     let group = a.n_heads / a.n_kv_heads;
     let t0 = if a.window != 0 && a.t_len > a.window {
         a.t_len - a.window

@@ -320,7 +320,7 @@ fn check_attn(ks: &[Kernels], rng: &mut Rng, c: &AttnCase, specialised_expected:
     let vbuf: Vec<f32> = (0..c.t * stride).map(|_| rng.activation()).collect();
     let sinks: Vec<f32> = (0..c.h).map(|_| rng.unit() * 3.0).collect();
     let scale = 1.0 / (c.hd as f32).sqrt();
-    let r = reference::AttnRef {
+    let a = AttnArgs {
         q: &q,
         k: &kbuf,
         v: &vbuf,
@@ -333,20 +333,7 @@ fn check_attn(ks: &[Kernels], rng: &mut Rng, c: &AttnCase, specialised_expected:
         window: c.window,
         scale,
     };
-    let want = reference::attn_decode(&r);
-    let a = AttnArgs {
-        q: &q,
-        k: &kbuf,
-        v: &vbuf,
-        sinks: r.sinks,
-        n_heads: c.h,
-        n_kv_heads: c.kv,
-        head_dim: c.hd,
-        kv_stride: stride,
-        t_len: c.t,
-        window: c.window,
-        scale,
-    };
+    let want = reference::attn_decode(&a);
     for k in ks {
         let shape = bespoke::plan::AttnShape {
             head_dim: c.hd,
