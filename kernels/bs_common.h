@@ -61,6 +61,9 @@ BS_ALWAYS_INLINE float bs_exp1(float x) {
     return x < -87.0f ? 0.0f : p * two_n;
 }
 
+/* Lane numbers 0..15, for masking a partial lane group. */
+static const float BS_LANE_INDEX[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
 /* Dot product of two f32 rows in the lane order: lane l takes columns
  * c = l (mod 16) in order with FMA, then the fixed tree. */
 BS_ALWAYS_INLINE float bs_dot16(const float *a, const float *b, size_t n) {
