@@ -61,6 +61,16 @@ BS_ALWAYS_INLINE float bs_exp1(float x) {
     return x < -87.0f ? 0.0f : p * two_n;
 }
 
+/* 32 E2M1 columns (16 bytes) into two lane groups, in column order (lane
+ * group h holds columns 16h..16h+15). ISAs with a faster whole-block decode
+ * define BS_HAVE_DEC32_E2M1 and their own. */
+#ifndef BS_HAVE_DEC32_E2M1
+BS_ALWAYS_INLINE void bs_dec32_e2m1(const void *p, bs_vf o[2][BS_G]) {
+    bs_dec16_e2m1(p, o[0]);
+    bs_dec16_e2m1((const uint8_t *)p + 8, o[1]);
+}
+#endif
+
 /* Lane numbers 0..15, for masking a partial lane group. */
 static const float BS_LANE_INDEX[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 

@@ -63,6 +63,27 @@ static inline void bs_dec16_e2m1(const void *p, bs_vf o[BS_G]) {
     o[1] = _mm256_cvtph_ps(_mm_unpackhi_epi8(_mm_setzero_si128(), h));
 }
 
+/* 32 codes at once: one 256-bit pshufb (128-bit lane 0 holds columns 0..15,
+ * lane 1 columns 16..31), then F16C on each quarter. */
+#define BS_HAVE_DEC32_E2M1 1
+static inline void bs_dec32_e2m1(const void *p, bs_vf o[2][BS_G]) {
+    const __m256i f16_hi = _mm256_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, (char)0x80, (char)0xB8,
+                                            (char)0xBC, (char)0xBE, (char)0xC0, (char)0xC2, (char)0xC4, (char)0xC6,
+                                            0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, (char)0x80, (char)0xB8,
+                                            (char)0xBC, (char)0xBE, (char)0xC0, (char)0xC2, (char)0xC4, (char)0xC6);
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+    __m256i codes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(lo, hi)), _mm_unpackhi_epi8(lo, hi), 1);
+    __m256i h = _mm256_shuffle_epi8(f16_hi, codes);
+    __m256i a = _mm256_unpacklo_epi8(_mm256_setzero_si256(), h); /* columns 0..7 | 16..23 */
+    __m256i c = _mm256_unpackhi_epi8(_mm256_setzero_si256(), h); /* columns 8..15 | 24..31 */
+    o[0][0] = _mm256_cvtph_ps(_mm256_castsi256_si128(a));
+    o[0][1] = _mm256_cvtph_ps(_mm256_castsi256_si128(c));
+    o[1][0] = _mm256_cvtph_ps(_mm256_extracti128_si256(a, 1));
+    o[1][1] = _mm256_cvtph_ps(_mm256_extracti128_si256(c, 1));
+}
+
 static inline void bs_store16(float *t, const bs_vf a[BS_G]) { _mm256_storeu_ps(t, a[0]); _mm256_storeu_ps(t + 8, a[1]); }
 static inline void bs_load16(bs_vf a[BS_G], const float *t) { a[0] = _mm256_loadu_ps(t); a[1] = _mm256_loadu_ps(t + 8); }
 
