@@ -46,11 +46,7 @@ fn isas_for_target(arch: &str) -> Vec<Isa> {
                 isas.push(Isa::Avx512);
             }
         }
-        "aarch64" => {
-            if feature("neon") {
-                isas.push(Isa::Neon);
-            }
-        }
+        "aarch64" if feature("neon") => isas.push(Isa::Neon),
         _ => {}
     }
     isas
@@ -393,7 +389,7 @@ fn compile(root: &Path, gen: &Path, sources: &[(Isa, PathBuf)]) -> BuildResult<(
             b.flag(f);
         }
         if let Some(s) = &sanitize {
-            b.flag(&format!("-fsanitize={s}"))
+            b.flag(format!("-fsanitize={s}"))
                 .flag("-fno-sanitize-recover=all")
                 .flag("-fno-omit-frame-pointer");
         }

@@ -92,8 +92,10 @@ pub fn dot16(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// The softmax exp of the kernels (kernels/bs_common.h): same operations.
+/// The coefficients are written as in the C source; both round to the same f32.
+#[allow(clippy::excessive_precision)]
 pub fn exp(x: f32) -> f32 {
-    const LOG2E: f32 = 1.442_695_040_888_963_4;
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
     const C1: f32 = 0.693_359_375;
     const C2: f32 = -2.121_944_4e-4;
     const P: [f32; 6] = [
@@ -104,13 +106,8 @@ pub fn exp(x: f32) -> f32 {
         1.666_666_545_9e-1,
         5.000_000_120_1e-1,
     ];
-    let mut n = (x * LOG2E).round_ties_even();
-    if n < -126.0 {
-        n = -126.0;
-    }
-    if 127.0 < n {
-        n = 127.0;
-    }
+    // Same as the C `n < -126 ? -126 : n`, then `127 < n ? 127 : n` (NaN stays NaN).
+    let n = (x * LOG2E).round_ties_even().clamp(-126.0, 127.0);
     let mut r = n.mul_add(-C1, x);
     r = n.mul_add(-C2, r);
     let mut p = P[0];
