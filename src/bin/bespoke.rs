@@ -97,7 +97,7 @@ fn run(cli: Cli) -> Result<(), String> {
                 );
                 return Ok(());
             }
-            let n = threads::resolve(t)?;
+            let n = threads::init(threads::resolve(t)?);
             let choice = Kernels::from_env();
             println!(
                 "bespoke {} — kernel plan of this build\n",
@@ -125,7 +125,7 @@ fn run(cli: Cli) -> Result<(), String> {
                     formats,
                 },
         } => {
-            let n = threads::resolve(t)?;
+            let n = threads::init(threads::resolve(t)?);
             let formats = match formats {
                 None => vec![plan::Format::Bf16, plan::Format::Fp8, plan::Format::Fp4],
                 Some(list) => list
