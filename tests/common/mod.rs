@@ -31,6 +31,13 @@ impl Rng {
             }
             3 => self.unit() * 1e30,
             4 => f32::MIN_POSITIVE * self.unit(),
+            5 => {
+                if self.below(2) == 0 {
+                    f32::MAX
+                } else {
+                    f32::MIN
+                }
+            }
             _ => self.unit() * 4.0,
         }
     }
