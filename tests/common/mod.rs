@@ -20,7 +20,7 @@ impl Rng {
         (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
     /// An f32 activation: mostly ordinary values, sometimes zeros, -0,
-    /// subnormals and large values.
+    /// subnormals, large values and the largest finite ones.
     pub fn activation(&mut self) -> f32 {
         match self.below(40) {
             0 => 0.0,
