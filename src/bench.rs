@@ -51,6 +51,20 @@ pub struct KernelResult {
     pub bandwidth_fraction: f64,
 }
 
+impl KernelResult {
+    /// Everything that identifies a measurement except the kernel kind.
+    fn case(&self) -> (&str, usize, usize, &str, usize, &str) {
+        (
+            &self.format,
+            self.rows,
+            self.cols,
+            &self.isa,
+            self.threads,
+            &self.residency,
+        )
+    }
+}
+
 #[derive(Serialize)]
 pub struct Results {
     pub machine: Machine,
@@ -441,24 +455,9 @@ fn print_table(r: &[KernelResult]) {
 fn print_summary(r: &[KernelResult]) {
     println!("\nsummary (specialised kernels):");
     for s in r.iter().filter(|x| x.kernel == "specialised") {
-        let generic = r.iter().find(|g| {
-            g.kernel == "generic"
-                && (
-                    g.format.as_str(),
-                    g.rows,
-                    g.cols,
-                    g.isa.as_str(),
-                    g.threads,
-                    g.residency.as_str(),
-                ) == (
-                    s.format.as_str(),
-                    s.rows,
-                    s.cols,
-                    s.isa.as_str(),
-                    s.threads,
-                    s.residency.as_str(),
-                )
-        });
+        let generic = r
+            .iter()
+            .find(|g| g.kernel == "generic" && g.case() == s.case());
         let ratio = generic
             .map(|g| g.median_us / s.median_us)
             .unwrap_or(f64::NAN);

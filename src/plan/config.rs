@@ -61,6 +61,9 @@ pub struct Dsv4Config {
     pub qk_rope_head_dim: usize,
     pub sliding_window: usize,
     pub compress_ratios: Vec<usize>,
+    /// The ratio that marks a compressed-sparse (indexer) layer; other
+    /// nonzero ratios are heavily compressed.
+    pub csa_ratio: usize,
     pub compress_rope_theta: f64,
     pub num_hash_layers: usize,
     pub hc_mult: usize,
@@ -215,6 +218,46 @@ struct Defaults {
     tie: bool,
 }
 
+// transformers' defaults per configuration class.
+const LLAMA_DEFAULTS: Defaults = Defaults {
+    vocab: 32000,
+    hidden: 4096,
+    inter: 11008,
+    layers: 32,
+    heads: 32,
+    max_pos: 2048,
+    eps: 1e-6,
+    head_dim: None,
+    kv_heads: None,
+    tie: false,
+};
+const QWEN2_DEFAULTS: Defaults = Defaults {
+    vocab: 151936,
+    inter: 22016,
+    max_pos: 32768,
+    ..LLAMA_DEFAULTS
+};
+const QWEN3_DEFAULTS: Defaults = Defaults {
+    head_dim: Some(128),
+    ..QWEN2_DEFAULTS
+};
+const QWEN3_MOE_DEFAULTS: Defaults = Defaults {
+    hidden: 2048,
+    inter: 6144,
+    layers: 24,
+    ..QWEN2_DEFAULTS
+};
+const DSV4_DEFAULTS: Defaults = Defaults {
+    vocab: 129280,
+    inter: 2048,
+    layers: 43,
+    heads: 64,
+    max_pos: 1048576,
+    head_dim: Some(512),
+    kv_heads: Some(1),
+    ..LLAMA_DEFAULTS
+};
+
 fn parse_common(f: &Fields, d: &Defaults) -> Result<Common, ConfigError> {
     let hidden = f.usize("hidden_size", Some(d.hidden), 1, MAX_DIM)?;
     let inter = f.usize("intermediate_size", Some(d.inter), 1, MAX_DIM)?;
@@ -293,54 +336,10 @@ fn parse_llama_like(
         ));
     }
     let d = match (model_type, family) {
-        ("qwen2", _) => Defaults {
-            vocab: 151936,
-            hidden: 4096,
-            inter: 22016,
-            layers: 32,
-            heads: 32,
-            max_pos: 32768,
-            eps: 1e-6,
-            head_dim: None,
-            kv_heads: None,
-            tie: false,
-        },
-        (_, Family::Qwen3) => Defaults {
-            vocab: 151936,
-            hidden: 4096,
-            inter: 22016,
-            layers: 32,
-            heads: 32,
-            max_pos: 32768,
-            eps: 1e-6,
-            head_dim: Some(128),
-            kv_heads: None,
-            tie: false,
-        },
-        (_, Family::Qwen3Moe) => Defaults {
-            vocab: 151936,
-            hidden: 2048,
-            inter: 6144,
-            layers: 24,
-            heads: 32,
-            max_pos: 32768,
-            eps: 1e-6,
-            head_dim: None,
-            kv_heads: None,
-            tie: false,
-        },
-        _ => Defaults {
-            vocab: 32000,
-            hidden: 4096,
-            inter: 11008,
-            layers: 32,
-            heads: 32,
-            max_pos: 2048,
-            eps: 1e-6,
-            head_dim: None,
-            kv_heads: None,
-            tie: false,
-        },
+        ("qwen2", _) => QWEN2_DEFAULTS,
+        (_, Family::Qwen3) => QWEN3_DEFAULTS,
+        (_, Family::Qwen3Moe) => QWEN3_MOE_DEFAULTS,
+        _ => LLAMA_DEFAULTS,
     };
     let c = parse_common(f, &d)?;
     // Qwen2 always has q/k/v biases; the others only when attention_bias is set.
@@ -399,18 +398,7 @@ fn parse_llama_like(
 }
 
 fn parse_dsv4(f: &Fields, model_type: &str) -> Result<ModelConfig, ConfigError> {
-    let d = Defaults {
-        vocab: 129280,
-        hidden: 4096,
-        inter: 2048,
-        layers: 43,
-        heads: 64,
-        max_pos: 1048576,
-        eps: 1e-6,
-        head_dim: Some(512),
-        kv_heads: Some(1),
-        tie: false,
-    };
+    let d = DSV4_DEFAULTS;
     let c = parse_common(f, &d)?;
     if c.kv_heads != 1 {
         return Err(f.err(
@@ -450,6 +438,7 @@ fn parse_dsv4(f: &Fields, model_type: &str) -> Result<ModelConfig, ConfigError> 
     }
     let sliding_window = f.usize("sliding_window", Some(128), 1, 1 << 31)?;
     let compress_ratios = dsv4_compress_ratios(f, c.layers)?;
+    let csa_ratio = dsv4_csa_ratio(f)?;
     let num_hash_layers = match f.opt_usize("num_hash_layers", 0, c.layers)? {
         Some(n) => n,
         None => match f.get("mlp_layer_types") {
@@ -559,6 +548,7 @@ fn parse_dsv4(f: &Fields, model_type: &str) -> Result<ModelConfig, ConfigError> 
             qk_rope_head_dim,
             sliding_window,
             compress_ratios,
+            csa_ratio,
             compress_rope_theta,
             num_hash_layers,
             hc_mult,
@@ -574,6 +564,15 @@ fn parse_dsv4(f: &Fields, model_type: &str) -> Result<ModelConfig, ConfigError> 
             fp4_experts: quantized && fp4_experts,
         }),
     })
+}
+
+/// The compressed-sparse-attention rate (`compress_rates` in transformers 5;
+/// the released checkpoints use 4).
+fn dsv4_csa_ratio(f: &Fields) -> Result<usize, ConfigError> {
+    match f.nested("compress_rates")? {
+        Some(cr) => cr.usize("compressed_sparse_attention", Some(4), 2, 1 << 20),
+        None => Ok(4),
+    }
 }
 
 /// Per-layer compression ratio (0 = sliding window only). Real checkpoints
@@ -600,12 +599,10 @@ fn dsv4_compress_ratios(f: &Fields, layers: usize) -> Result<Vec<usize>, ConfigE
         }
         return Ok(r[..layers].to_vec());
     }
-    let (csa, hca) = match f.nested("compress_rates")? {
-        Some(cr) => (
-            cr.usize("compressed_sparse_attention", Some(4), 2, 1 << 20)?,
-            cr.usize("heavily_compressed_attention", Some(128), 2, 1 << 20)?,
-        ),
-        None => (4, 128),
+    let csa = dsv4_csa_ratio(f)?;
+    let hca = match f.nested("compress_rates")? {
+        Some(cr) => cr.usize("heavily_compressed_attention", Some(128), 2, 1 << 20)?,
+        None => 128,
     };
     match f.get("layer_types") {
         Some(serde_json::Value::Array(items)) => {

@@ -413,7 +413,7 @@ pub fn matrices(cfg: &ModelConfig) -> Vec<MatrixUse> {
             let csa = v4
                 .compress_ratios
                 .iter()
-                .filter(|&&r| r != 0 && r == min_ratio(&v4.compress_ratios))
+                .filter(|&&r| r == v4.csa_ratio)
                 .count();
             let hca = v4.compress_ratios.iter().filter(|&&r| r != 0).count() - csa;
             add("layers.*.hc_attn_fn", Format::F32, mix, hc * h, layers);
@@ -490,15 +490,6 @@ pub fn matrices(cfg: &ModelConfig) -> Vec<MatrixUse> {
         }
     }
     out
-}
-
-fn min_ratio(ratios: &[usize]) -> usize {
-    ratios
-        .iter()
-        .copied()
-        .filter(|&r| r != 0)
-        .min()
-        .unwrap_or(0)
 }
 
 /// The attention-decode shapes a model needs.
