@@ -4,11 +4,15 @@
 pub mod bench;
 pub mod cpu;
 pub mod formats;
+pub mod inspect;
 pub mod kernels;
+pub mod model;
 #[path = "plan/mod.rs"]
 pub mod plan;
 pub mod reference;
 pub mod report;
+pub mod safetensors;
 pub mod threads;
+pub mod tokenizer;
 
 pub use kernels::{AttnArgs, Kernels, Matrix, Weights};

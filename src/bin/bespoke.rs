@@ -41,6 +41,22 @@ enum Command {
         #[arg(long, value_name = "N")]
         threads: Option<usize>,
     },
+    /// Validate a model directory and summarise it: family and key config
+    /// values, every tensor (name, dtype, shape, how bespoke reads it), bytes
+    /// by format, shards, tokenizer. Exits non-zero with the first problem
+    /// (missing or misshapen tensor, malformed safetensors, bad config,
+    /// unreadable tokenizer). Run this first on a freshly downloaded model.
+    Inspect {
+        /// The model directory (config.json, *.safetensors, tokenizer.json).
+        #[arg(long, value_name = "DIR")]
+        model: PathBuf,
+        /// Leave out the per-tensor table.
+        #[arg(long)]
+        brief: bool,
+        /// Print the summary as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -113,6 +129,18 @@ fn run(cli: Cli) -> Result<(), String> {
                 let planned = plan::plan_model(&cfg).map_err(|e| e.to_string())?;
                 println!();
                 print!("{}", report::model_report(&planned, &kernels));
+            }
+            Ok(())
+        }
+        Command::Inspect { model, brief, json } => {
+            let m = bespoke::model::ModelDir::open(&model).map_err(|e| e.to_string())?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&bespoke::inspect::json(&m)).map_err(|e| e.to_string())?
+                );
+            } else {
+                print!("{}", bespoke::inspect::text(&m, brief));
             }
             Ok(())
         }

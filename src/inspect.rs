@@ -1,0 +1,224 @@
+//! `bespoke inspect`: what a model directory holds and how bespoke reads it.
+
+use crate::model::layout::Kind;
+use crate::model::ModelDir;
+use serde_json::{json, Value};
+use std::fmt::Write;
+
+/// Human-readable byte count (binary units).
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+fn human_count(n: u64) -> String {
+    match n {
+        n if n >= 1_000_000_000 => format!("{:.2}B", n as f64 / 1e9),
+        n if n >= 1_000_000 => format!("{:.2}M", n as f64 / 1e6),
+        n if n >= 1_000 => format!("{:.1}K", n as f64 / 1e3),
+        n => n.to_string(),
+    }
+}
+
+fn config_lines(m: &ModelDir) -> Vec<(String, String)> {
+    let c = &m.config;
+    let mut v = vec![
+        ("family".to_string(), format!("{} (model_type {:?})", c.family.name(), c.model_type)),
+        ("layers".into(), c.num_layers.to_string()),
+        ("hidden".into(), c.hidden_size.to_string()),
+        (
+            "attention".into(),
+            format!("{} heads, {} kv heads, head_dim {}", c.num_heads, c.num_kv_heads, c.head_dim),
+        ),
+        ("vocab".into(), c.vocab_size.to_string()),
+        ("context".into(), c.max_position_embeddings.to_string()),
+        ("rope_theta".into(), c.rope_theta.to_string()),
+        ("tied head".into(), c.tie_word_embeddings.to_string()),
+    ];
+    if let Some(moe) = &c.moe {
+        v.push((
+            "experts".into(),
+            format!(
+                "{} routed top-{} x {} wide, {} shared, {} dense layers",
+                moe.num_experts,
+                moe.top_k,
+                moe.moe_intermediate_size,
+                moe.n_shared_experts,
+                moe.dense_layers.len()
+            ),
+        ));
+    } else {
+        v.push(("mlp".into(), format!("intermediate {}", c.intermediate_size)));
+    }
+    if let Some(d) = &c.dsv4 {
+        let kinds: Vec<String> = (0..c.num_layers)
+            .map(|l| match crate::model::layout::dsv4_attn_kind(d, l) {
+                crate::model::layout::AttnKind::Sliding => "S".to_string(),
+                crate::model::layout::AttnKind::Csa => format!("C{}", d.compress_ratios[l]),
+                crate::model::layout::AttnKind::Hca => format!("H{}", d.compress_ratios[l]),
+            })
+            .collect();
+        v.push(("attn layers".into(), format!("{} (S sliding, C compressed-sparse, H heavily compressed; number = rate)", kinds.join(" "))));
+        v.push((
+            "deepseek_v4".into(),
+            format!(
+                "q_lora {}, o_lora {} x {} groups, rope dims {}, window {}, hc {} x {} iters, indexer {} heads x {} top-{}, {} hash layers",
+                d.q_lora_rank,
+                d.o_lora_rank,
+                d.o_groups,
+                d.qk_rope_head_dim,
+                d.sliding_window,
+                d.hc_mult,
+                d.hc_sinkhorn_iters,
+                d.index_n_heads,
+                d.index_head_dim,
+                d.index_topk,
+                d.num_hash_layers
+            ),
+        ));
+        v.push((
+            "quantization".into(),
+            match (d.fp8_dense, d.fp4_experts) {
+                (true, true) => "FP8 E4M3 dense (UE8M0 128x128), FP4 E2M1 experts (UE8M0 per 32)".into(),
+                (true, false) => "FP8 E4M3 dense and experts (UE8M0 128x128)".into(),
+                _ => "none".into(),
+            },
+        ));
+    }
+    v
+}
+
+/// The text report. `brief` leaves out the per-tensor table.
+pub fn text(m: &ModelDir, brief: bool) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "model       {}", m.dir.display());
+    for (k, v) in config_lines(m) {
+        let _ = writeln!(s, "{k:<11} {v}");
+    }
+    let _ = writeln!(s, "naming      {}", m.naming.describe());
+    let total: u64 = m.weights.data_bytes();
+    match &m.weights.index_file {
+        Some(ix) => {
+            let _ = writeln!(
+                s,
+                "weights     {} shards from {}, {} tensors, {}",
+                m.weights.shards.len(),
+                ix.file_name().map(|f| f.to_string_lossy()).unwrap_or_default(),
+                m.weights.len(),
+                human_bytes(total)
+            );
+        }
+        None => {
+            let _ = writeln!(
+                s,
+                "weights     {} file(s), {} tensors, {}",
+                m.weights.shards.len(),
+                m.weights.len(),
+                human_bytes(total)
+            );
+        }
+    }
+    for shard in &m.weights.shards {
+        let _ = writeln!(
+            s,
+            "  shard     {} ({} tensors, {})",
+            shard.path.file_name().map(|f| f.to_string_lossy()).unwrap_or_default(),
+            shard.header.tensors.len(),
+            human_bytes(shard.header.data_len as u64)
+        );
+    }
+    let _ = writeln!(s, "parameters  {}", human_count(m.parameters()));
+    let _ = writeln!(s, "by format");
+    for (label, bytes) in m.bytes_by_format() {
+        let _ = writeln!(s, "  {label:<16} {:>12}  {:5.1}%", human_bytes(bytes), 100.0 * bytes as f64 / total.max(1) as f64);
+    }
+    match &m.tokenizer {
+        Some(t) => {
+            let specials: Vec<String> = t.special.iter().map(|(k, v)| format!("{k} {v:?}")).collect();
+            let _ = writeln!(
+                s,
+                "tokenizer   {} tokens; {}; chat template: {}",
+                t.vocab_size(),
+                if specials.is_empty() { "no special tokens named".into() } else { specials.join(", ") },
+                match &t.chat_template_source {
+                    Some(p) => p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
+                    None => "none".into(),
+                }
+            );
+        }
+        None => {
+            let _ = writeln!(s, "tokenizer   none (no tokenizer.json: prompts must be given as token ids)");
+        }
+    }
+    if let Some(g) = &m.generation {
+        let _ = writeln!(
+            s,
+            "generation  eos {:?}, do_sample {:?}, temperature {:?}, top_k {:?}, top_p {:?}",
+            g.eos_token_ids, g.do_sample, g.temperature, g.top_k, g.top_p
+        );
+    }
+    let unused = m.unused();
+    if !unused.is_empty() {
+        let mtp = unused.iter().filter(|n| n.starts_with("mtp.")).count();
+        let note = if mtp > 0 { format!(" ({mtp} of them the MTP block, which bespoke does not run)") } else { String::new() };
+        let _ = writeln!(s, "unused      {} tensors{note}", unused.len());
+    }
+    if !brief {
+        let entries = m.entries();
+        let w = entries.iter().map(|e| e.name.len()).max().unwrap_or(4).max(4);
+        let _ = writeln!(s, "\n{:<w$}  {:<8} {:<18} {}", "tensor", "dtype", "shape", "read as");
+        for e in entries {
+            let shape = format!("{:?}", e.shape);
+            let role = match &e.kind {
+                Some(k) => k.describe(e.dtype),
+                None => "unused".into(),
+            };
+            let _ = writeln!(s, "{:<w$}  {:<8} {:<18} {}", e.name, e.dtype.name(), shape, role);
+        }
+    }
+    s += "ok: every tensor the model needs is present with the expected dtype and shape\n";
+    s
+}
+
+pub fn json(m: &ModelDir) -> Value {
+    let tensors: Vec<Value> = m
+        .entries()
+        .into_iter()
+        .map(|e| {
+            json!({
+                "name": e.name,
+                "dtype": e.dtype.name(),
+                "shape": e.shape,
+                "bytes": e.bytes,
+                "shard": e.shard,
+                "read_as": e.kind.as_ref().map(|k: &Kind| k.describe(e.dtype)),
+            })
+        })
+        .collect();
+    let config: serde_json::Map<String, Value> =
+        config_lines(m).into_iter().map(|(k, v)| (k, Value::String(v))).collect();
+    json!({
+        "model": m.dir.display().to_string(),
+        "family": m.config.family.name(),
+        "model_type": m.config.model_type,
+        "naming": m.naming.describe(),
+        "config": config,
+        "parameters": m.parameters(),
+        "bytes": m.weights.data_bytes(),
+        "bytes_by_format": m.bytes_by_format().into_iter().map(|(k, v)| json!({"format": k, "bytes": v})).collect::<Vec<_>>(),
+        "shards": m.weights.shards.iter().map(|s| s.path.display().to_string()).collect::<Vec<_>>(),
+        "tokenizer": m.tokenizer.as_ref().map(|t| json!({"vocab": t.vocab_size(), "chat_template": t.chat_template.is_some()})),
+        "unused": m.unused(),
+        "tensors": tensors,
+    })
+}
