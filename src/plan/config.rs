@@ -83,6 +83,35 @@ pub struct Dsv4Config {
     pub fp4_experts: bool,
 }
 
+/// RoPE frequency scaling (`rope_scaling` in transformers 4 configs,
+/// `rope_parameters` in transformers 5). For deepseek_v4 it applies to the
+/// compressed layers' rope only (transformers' "compress" table).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    Linear {
+        factor: f64,
+    },
+    Dynamic {
+        factor: f64,
+    },
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: usize,
+        beta_fast: f64,
+        beta_slow: f64,
+        mscale: Option<f64>,
+        mscale_all_dim: Option<f64>,
+        attention_factor: Option<f64>,
+    },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
     /// Where it was read from (for messages).
@@ -99,6 +128,10 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub bos_token_id: Option<u32>,
+    /// One or more end-of-sequence ids (config.json may give a list).
+    pub eos_token_ids: Vec<u32>,
     pub tie_word_embeddings: bool,
     pub attention_bias: bool,
     pub sliding_window: Option<usize>,
@@ -201,6 +234,8 @@ struct Common {
     eps: f64,
     rope_theta: f64,
     tie: bool,
+    bos: Option<u32>,
+    eos: Vec<u32>,
 }
 
 struct Defaults {
@@ -295,6 +330,26 @@ fn parse_common(f: &Fields, d: &Defaults) -> Result<Common, ConfigError> {
     let eps = f.float("rms_norm_eps", Some(d.eps), 0.0, 1.0)?;
     let rope_theta = rope_theta(f)?;
     let tie = f.boolean("tie_word_embeddings", d.tie)?;
+    if head_dim % 2 != 0 {
+        return Err(f.err(
+            "head_dim",
+            format!("{head_dim} is odd; RoPE rotates dimension pairs"),
+        ));
+    }
+    let ids = |field: &str| -> Result<Vec<u32>, ConfigError> {
+        match f.get(field) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(_)) => Ok(f
+                .usize_list(field, 0, vocab - 1)?
+                .unwrap_or_default()
+                .into_iter()
+                .map(|v| v as u32)
+                .collect()),
+            Some(_) => Ok(vec![f.usize(field, None, 0, vocab - 1)? as u32]),
+        }
+    };
+    let bos = ids("bos_token_id")?.first().copied();
+    let eos = ids("eos_token_id")?;
     Ok(Common {
         hidden,
         inter,
@@ -307,6 +362,65 @@ fn parse_common(f: &Fields, d: &Defaults) -> Result<Common, ConfigError> {
         eps,
         rope_theta,
         tie,
+        bos,
+        eos,
+    })
+}
+
+/// The scaling object: `rope_scaling` (legacy), else `rope_parameters`
+/// (transformers 5; for deepseek_v4 its "compress" entry).
+fn rope_scaling(f: &Fields, max_pos: usize) -> Result<RopeScaling, ConfigError> {
+    let obj = match f.nested("rope_scaling")? {
+        Some(o) => o,
+        None => match f.nested("rope_parameters")? {
+            Some(rp) => match rp.nested("compress")? {
+                Some(c) => c,
+                None => rp,
+            },
+            None => return Ok(RopeScaling::None),
+        },
+    };
+    let kind = match (obj.string("rope_type")?, obj.string("type")?) {
+        (Some(t), _) | (None, Some(t)) => t,
+        (None, None) => "default",
+    };
+    let factor = || obj.float("factor", None, 1e-6, 1e6);
+    let orig = || obj.usize("original_max_position_embeddings", Some(max_pos), 1, 1 << 31);
+    Ok(match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear { factor: factor()? },
+        "dynamic" => RopeScaling::Dynamic { factor: factor()? },
+        "yarn" => RopeScaling::Yarn {
+            factor: factor()?,
+            original_max_position_embeddings: orig()?,
+            beta_fast: obj.float("beta_fast", Some(32.0), 0.0, 1e6)?,
+            beta_slow: obj.float("beta_slow", Some(1.0), 0.0, 1e6)?,
+            mscale: obj.opt_float("mscale", 0.0, 1e6)?,
+            mscale_all_dim: obj.opt_float("mscale_all_dim", 0.0, 1e6)?,
+            attention_factor: obj.opt_float("attention_factor", 0.0, 1e6)?,
+        },
+        "llama3" => {
+            let low = obj.float("low_freq_factor", None, 1e-6, 1e6)?;
+            let high = obj.float("high_freq_factor", None, 1e-6, 1e6)?;
+            if high <= low {
+                return Err(obj.err(
+                    "high_freq_factor",
+                    format!("must be greater than low_freq_factor ({low}), found {high}"),
+                ));
+            }
+            RopeScaling::Llama3 {
+                factor: factor()?,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: orig()?,
+            }
+        }
+        other => {
+            return Err(obj.err(
+                "rope_type",
+                format!("RoPE scaling {other:?} is not supported (supported: default, linear, dynamic, yarn, llama3)"),
+            ))
+        }
     })
 }
 
@@ -319,6 +433,12 @@ fn rope_theta(f: &Fields) -> Result<f64, ConfigError> {
     if let Some(rp) = f.nested("rope_parameters")? {
         if let Some(t) = rp.opt_float("rope_theta", 1e-3, 1e12)? {
             return Ok(t);
+        }
+        // deepseek_v4 in transformers 5: {"main": {...}, "compress": {...}}.
+        if let Some(main) = rp.nested("main")? {
+            if let Some(t) = main.opt_float("rope_theta", 1e-3, 1e12)? {
+                return Ok(t);
+            }
         }
     }
     Ok(10000.0)
@@ -388,6 +508,9 @@ fn parse_llama_like(
         max_position_embeddings: c.max_pos,
         rms_norm_eps: c.eps,
         rope_theta: c.rope_theta,
+        rope_scaling: rope_scaling(f, c.max_pos)?,
+        bos_token_id: c.bos,
+        eos_token_ids: c.eos.clone(),
         tie_word_embeddings: c.tie,
         attention_bias,
         sliding_window,
@@ -417,7 +540,14 @@ fn parse_dsv4(f: &Fields, model_type: &str) -> Result<ModelConfig, ConfigError> 
         None => f.usize("intermediate_size", Some(2048), 1, MAX_DIM)?,
     };
     let n_shared = f.usize("n_shared_experts", Some(1), 0, 64)?;
-    let qk_rope_head_dim = f.usize("qk_rope_head_dim", Some(64), 0, c.head_dim)?;
+    // Legacy key, else transformers 5's partial_rotary_factor of the main rope.
+    let from_factor = match f.nested("rope_parameters")?.map(|rp| rp.nested("main")).transpose()?.flatten() {
+        Some(main) => main
+            .opt_float("partial_rotary_factor", 0.0, 1.0)?
+            .map(|p| (p * c.head_dim as f64).round() as usize),
+        None => None,
+    };
+    let qk_rope_head_dim = f.usize("qk_rope_head_dim", Some(from_factor.unwrap_or(64)), 0, c.head_dim)?;
     if qk_rope_head_dim % 2 != 0 {
         return Err(f.err(
             "qk_rope_head_dim",
@@ -457,6 +587,12 @@ fn parse_dsv4(f: &Fields, model_type: &str) -> Result<ModelConfig, ConfigError> 
     let index_n_heads = f.usize("index_n_heads", Some(64), 1, 4096)?;
     let index_head_dim = f.usize("index_head_dim", Some(128), 1, 65536)?;
     let index_topk = f.usize("index_topk", Some(512), 1, 1 << 24)?;
+    if qk_rope_head_dim > index_head_dim {
+        return Err(f.err(
+            "index_head_dim",
+            format!("{index_head_dim} is smaller than qk_rope_head_dim = {qk_rope_head_dim} (the indexer ropes its last rope dims)"),
+        ));
+    }
     let routed_scaling_factor = f.float("routed_scaling_factor", Some(1.5), 0.0, 1e6)?;
     let swiglu_limit = f.float("swiglu_limit", Some(10.0), 0.0, 1e9)?;
 
@@ -514,6 +650,17 @@ fn parse_dsv4(f: &Fields, model_type: &str) -> Result<ModelConfig, ConfigError> 
         dense_dtype_v = DenseDtype::Bf16;
     }
     let quantized = f.get("quantization_config").is_some();
+    if quantized && fp4_experts {
+        // FP4 scales cover 32 input columns: both expert input widths must be whole blocks.
+        for (field, n) in [("hidden_size", c.hidden), ("moe_intermediate_size", moe_inter)] {
+            if n % 32 != 0 {
+                return Err(f.err(
+                    field,
+                    format!("{n} is not a multiple of 32, the FP4 expert scale block"),
+                ));
+            }
+        }
+    }
     let dense_layers = Vec::new();
     Ok(ModelConfig {
         source: f.file.into(),
@@ -529,6 +676,9 @@ fn parse_dsv4(f: &Fields, model_type: &str) -> Result<ModelConfig, ConfigError> 
         max_position_embeddings: c.max_pos,
         rms_norm_eps: c.eps,
         rope_theta: c.rope_theta,
+        rope_scaling: rope_scaling(f, c.max_pos)?,
+        bos_token_id: c.bos,
+        eos_token_ids: c.eos.clone(),
         tie_word_embeddings: c.tie,
         attention_bias: false,
         sliding_window: Some(sliding_window),
