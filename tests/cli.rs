@@ -113,3 +113,40 @@ fn help_explains_the_commands() {
         "{out}"
     );
 }
+
+#[test]
+fn inspect_every_fixture() {
+    for name in ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-dsv4", "tiny-dsv4-hf"] {
+        let dir = format!("fixtures/{name}");
+        let (ok, out, err) = run(&["inspect", "--model", &dir]);
+        assert!(ok, "inspect {dir} failed: {err}");
+        assert!(out.contains("ok: every tensor"), "{out}");
+        assert!(out.contains("by format") && out.contains("tokenizer "), "{out}");
+        let (ok, out, err) = run(&["inspect", "--model", &dir, "--json"]);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).expect("inspect --json prints JSON");
+        assert!(v["tensors"].as_array().is_some_and(|t| !t.is_empty()));
+    }
+    let (_, out, _) = run(&["inspect", "--model", "fixtures/tiny-dsv4"]);
+    assert!(out.contains("DeepSeek V4 release names") && out.contains("FP4 E2M1") && out.contains("FP8 E4M3"), "{out}");
+    let (_, out, _) = run(&["inspect", "--model", "fixtures/tiny-dsv4-hf", "--brief"]);
+    assert!(out.contains("Hugging Face transformers names") && !out.contains("read as"), "{out}");
+}
+
+#[test]
+fn inspect_errors_name_the_problem() {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-inspect-broken");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), r#"{"model_type": "llama", "hidden_size": 16, "num_attention_heads": 2}"#).unwrap();
+    // Header length pointing past the end of the file.
+    let mut bytes = 4096u64.to_le_bytes().to_vec();
+    bytes.extend_from_slice(b"{}");
+    std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
+    let d = dir.to_str().unwrap();
+    let (ok, _, err) = run(&["inspect", "--model", d]);
+    assert!(!ok);
+    assert!(err.contains("model.safetensors") && err.contains("runs past the end"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let (ok, _, err) = run(&["inspect", "--model", "/nonexistent/model"]);
+    assert!(!ok && err.contains("not a directory"), "{err}");
+}

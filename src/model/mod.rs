@@ -66,30 +66,16 @@ pub struct GenerationConfig {
     pub max_new_tokens: Option<usize>,
 }
 
-/// A token id or a list of them (`eos_token_id` may be either).
-fn token_ids(f: &Fields, field: &str, vocab: usize) -> Result<Vec<u32>, ConfigError> {
-    match f.get(field) {
-        None => Ok(Vec::new()),
-        Some(Value::Array(_)) => Ok(f
-            .usize_list(field, 0, vocab.saturating_sub(1))?
-            .unwrap_or_default()
-            .into_iter()
-            .map(|v| v as u32)
-            .collect()),
-        Some(_) => Ok(vec![f.usize(field, None, 0, vocab.saturating_sub(1))? as u32]),
-    }
-}
-
 impl GenerationConfig {
     pub fn from_json_str(source: &str, text: &str, vocab: usize) -> Result<GenerationConfig, ConfigError> {
         let root = parse_json(source, text)?;
         let f = Fields::new(source, &root)?;
         let single = |field: &str| -> Result<Option<u32>, ConfigError> {
-            Ok(token_ids(&f, field, vocab)?.first().copied())
+            Ok(f.token_ids(field, vocab)?.first().copied())
         };
         Ok(GenerationConfig {
             bos_token_id: single("bos_token_id")?,
-            eos_token_ids: token_ids(&f, "eos_token_id", vocab)?,
+            eos_token_ids: f.token_ids("eos_token_id", vocab)?,
             pad_token_id: single("pad_token_id")?,
             do_sample: match f.get("do_sample") {
                 None => None,

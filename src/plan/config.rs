@@ -336,20 +336,8 @@ fn parse_common(f: &Fields, d: &Defaults) -> Result<Common, ConfigError> {
             format!("{head_dim} is odd; RoPE rotates dimension pairs"),
         ));
     }
-    let ids = |field: &str| -> Result<Vec<u32>, ConfigError> {
-        match f.get(field) {
-            None => Ok(Vec::new()),
-            Some(Value::Array(_)) => Ok(f
-                .usize_list(field, 0, vocab - 1)?
-                .unwrap_or_default()
-                .into_iter()
-                .map(|v| v as u32)
-                .collect()),
-            Some(_) => Ok(vec![f.usize(field, None, 0, vocab - 1)? as u32]),
-        }
-    };
-    let bos = ids("bos_token_id")?.first().copied();
-    let eos = ids("eos_token_id")?;
+    let bos = f.token_ids("bos_token_id", vocab)?.first().copied();
+    let eos = f.token_ids("eos_token_id", vocab)?;
     Ok(Common {
         hidden,
         inter,

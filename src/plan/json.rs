@@ -251,4 +251,20 @@ impl<'a> Fields<'a> {
             None => Ok(None),
         }
     }
+
+    /// A token id or a list of them (`eos_token_id` may be either), each
+    /// below `vocab`.
+    pub fn token_ids(&self, field: &str, vocab: usize) -> Result<Vec<u32>, ConfigError> {
+        let max = vocab.saturating_sub(1);
+        match self.get(field) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(_)) => Ok(self
+                .usize_list(field, 0, max)?
+                .unwrap_or_default()
+                .into_iter()
+                .map(|v| v as u32)
+                .collect()),
+            Some(_) => Ok(vec![self.usize(field, None, 0, max)? as u32]),
+        }
+    }
 }
