@@ -139,7 +139,12 @@ pub fn text(m: &ModelDir, brief: bool) -> String {
     }
     let _ = writeln!(s, "parameters  {}", human_count(m.parameters()));
     let _ = writeln!(s, "by format");
-    for (label, bytes) in m.bytes_by_format() {
+    let unused_bytes: u64 = m.unused().iter().filter_map(|n| m.weights.get(n)).map(|t| t.bytes.len() as u64).sum();
+    let mut rows = m.bytes_by_format();
+    if unused_bytes > 0 {
+        rows.push(("unused", unused_bytes));
+    }
+    for (label, bytes) in rows {
         let _ = writeln!(s, "  {label:<16} {:>12}  {:5.1}%", human_bytes(bytes), 100.0 * bytes as f64 / total.max(1) as f64);
     }
     match &m.tokenizer {
@@ -161,11 +166,30 @@ pub fn text(m: &ModelDir, brief: bool) -> String {
         }
     }
     if let Some(g) = &m.generation {
-        let _ = writeln!(
-            s,
-            "generation  eos {:?}, do_sample {:?}, temperature {:?}, top_k {:?}, top_p {:?}",
-            g.eos_token_ids, g.do_sample, g.temperature, g.top_k, g.top_p
-        );
+        let mut parts = Vec::new();
+        if !g.eos_token_ids.is_empty() {
+            parts.push(format!("eos {:?}", g.eos_token_ids));
+        }
+        if let Some(v) = g.do_sample {
+            parts.push(format!("do_sample {v}"));
+        }
+        if let Some(v) = g.temperature {
+            parts.push(format!("temperature {v}"));
+        }
+        if let Some(v) = g.top_k {
+            parts.push(format!("top_k {v}"));
+        }
+        if let Some(v) = g.top_p {
+            parts.push(format!("top_p {v}"));
+        }
+        if let Some(v) = g.repetition_penalty {
+            parts.push(format!("repetition_penalty {v}"));
+        }
+        if let Some(v) = g.max_new_tokens {
+            parts.push(format!("max_new_tokens {v}"));
+        }
+        let text = if parts.is_empty() { "generation_config.json sets nothing bespoke uses".to_string() } else { parts.join(", ") };
+        let _ = writeln!(s, "generation  {text}");
     }
     let unused = m.unused();
     if !unused.is_empty() {

@@ -28,7 +28,10 @@ fn open(name: &str) -> ModelDir {
 fn every_fixture_loads_and_validates() {
     for name in MODELS {
         let m = open(name);
-        assert!(m.unused().is_empty(), "{name}: tensors the layout does not know: {:?}", m.unused());
+        // Only DeepSeek V4's MTP block (which the release ships and bespoke
+        // does not run) may be left over.
+        let unknown: Vec<&str> = m.unused().into_iter().filter(|n| !n.starts_with("mtp.")).collect();
+        assert!(unknown.is_empty(), "{name}: tensors the layout does not know: {unknown:?}");
         assert!(m.tokenizer.is_some(), "{name}: tokenizer.json");
         let families = [
             ("tiny-llama", "llama"),
