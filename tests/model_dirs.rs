@@ -348,6 +348,18 @@ fn broken_directories() {
     write_file(&d.join("model.safetensors"), &t);
     expect_error(&d, &["layers.0.attn.wq_b.scale", "F8_E8M0 [1, 1]", "found F8_E8M0 [2, 1]"]);
 
+    // A token → expert table naming an expert that does not exist.
+    let d = scratch("bad-tid2eid");
+    std::fs::write(d.join("config.json"), TINY_DSV4).unwrap();
+    let mut t = tensors_for(TINY_DSV4, Naming::Dsv4Release);
+    for (n, _, _, b) in t.iter_mut() {
+        if n == "layers.0.ffn.gate.tid2eid" {
+            b[8 * 5..8 * 6].copy_from_slice(&4i64.to_le_bytes());
+        }
+    }
+    write_file(&d.join("model.safetensors"), &t);
+    expect_error(&d, &["layers.0.ffn.gate.tid2eid", "expert ids in 0..4", "found 4 at [2, 1]"]);
+
     // No weights at all.
     let d = scratch("no-weights");
     std::fs::write(d.join("config.json"), TINY_LLAMA).unwrap();
@@ -453,4 +465,33 @@ fn sharded_checkpoints() {
 #[test]
 fn header_errors_are_typed() {
     assert_eq!(parse_header(&[0; 4]), Err(HeaderError::TooShort(4)));
+}
+
+/// The layout reproduces the real checkpoints' tensor counts: Flash ships
+/// 69,187 tensors and Pro 145,116, of which the MTP block is 1,575 / 2,343
+/// (its attention, norms, projections, shared and 256 / 384 routed experts).
+#[test]
+fn dsv4_layout_matches_the_released_inventories() {
+    let flash = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/configs/deepseek-v4-flash.json")).unwrap();
+    let cfg = ModelConfig::from_json_str("flash", &flash).unwrap();
+    assert_eq!(layout::expected(&cfg, Naming::Dsv4Release, false).unwrap().len(), 69_187 - 1_575);
+    let mut ratios = vec![128, 128];
+    for _ in 0..29 {
+        ratios.extend([4, 128]);
+    }
+    ratios.extend([4, 0]);
+    let pro = format!(
+        r#"{{"model_type": "deepseek_v4", "hidden_size": 7168, "num_hidden_layers": 61,
+        "num_attention_heads": 128, "q_lora_rank": 1536, "o_groups": 16, "o_lora_rank": 1024,
+        "moe_intermediate_size": 3072, "n_routed_experts": 384, "index_topk": 1024,
+        "compress_ratios": {ratios:?}, "expert_dtype": "fp4",
+        "quantization_config": {{"fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}}}}"#
+    );
+    let cfg = ModelConfig::from_json_str("pro", &pro).unwrap();
+    let x = layout::expected(&cfg, Naming::Dsv4Release, false).unwrap();
+    assert_eq!(x.len(), 145_116 - 2_343);
+    let w1 = x.iter().find(|e| e.name == "layers.5.ffn.experts.383.w1.weight").unwrap();
+    assert_eq!(w1.shape, vec![3072, 3584]);
+    let s = x.iter().find(|e| e.name == "layers.5.attn.wo_a.scale").unwrap();
+    assert_eq!(s.shape, vec![128, 32]);
 }

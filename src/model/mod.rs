@@ -193,6 +193,7 @@ impl ModelDir {
         let fused = weights.names().any(|n| n.ends_with(".mlp.experts.gate_up_proj"));
         let expected = layout::expected(&config, naming, fused).map_err(|what| ModelError::Naming { what })?;
         check_tensors(&weights, &expected)?;
+        check_index_tables(&config, &weights, &expected)?;
         let tokenizer = if dir.join("tokenizer.json").exists() {
             let t = Tokenizer::load(dir)?;
             if t.vocab_size() > config.vocab_size {
@@ -267,6 +268,26 @@ impl ModelDir {
         let used: BTreeSet<&str> = self.expected.iter().map(|x| x.name.as_str()).collect();
         self.weights.names().filter(|n| !used.contains(n)).collect()
     }
+}
+
+/// Index tables (DeepSeek V4's token → expert maps) must name real experts;
+/// a bad entry would otherwise index past the expert list at run time.
+fn check_index_tables(cfg: &ModelConfig, store: &WeightStore, expected: &[Expected]) -> Result<(), ModelError> {
+    let experts = cfg.moe.as_ref().map_or(0, |m| m.num_experts) as i64;
+    for x in expected.iter().filter(|x| x.kind == Kind::Index) {
+        let t = store.get(&x.name).expect("checked present");
+        let values = t.i64s().map_err(|e| ModelError::Naming { what: e.to_string() })?;
+        if let Some((i, v)) = values.iter().enumerate().find(|(_, &v)| v < 0 || v >= experts) {
+            let k = x.shape.last().copied().unwrap_or(1).max(1);
+            return Err(ModelError::TensorMismatch {
+                name: x.name.clone(),
+                expected: format!("expert ids in 0..{experts}"),
+                found: format!("{v} at [{}, {}]", i / k, i % k),
+                more: 0,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Every expected tensor present with an allowed dtype and the exact shape.
