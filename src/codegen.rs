@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 /// and DeepSeek V4 Flash's config (shapes only), so the default build and
 /// `cargo bench` cover the shapes this toolkit exists for.
 pub const DEFAULT_MODELS: &str =
-    "fixtures/tiny-llama,fixtures/configs/deepseek-v4-flash.json,fixtures/configs/deepseek-v4-flash-bf16.json";
+    "fixtures/tiny-llama,fixtures/tiny-qwen3,fixtures/tiny-qwen3-moe,fixtures/tiny-dsv4,fixtures/configs/deepseek-v4-flash.json,fixtures/configs/deepseek-v4-flash-bf16.json";
 
 type BuildResult<T> = Result<T, String>;
 

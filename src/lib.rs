@@ -2,8 +2,11 @@
 //! machine. See README.md for the flow; `plan` is shared with build.rs.
 
 pub mod bench;
+pub mod commands;
 pub mod cpu;
+pub mod engine;
 pub mod formats;
+pub mod generate;
 pub mod inspect;
 pub mod kernels;
 pub mod model;
@@ -12,6 +15,7 @@ pub mod plan;
 pub mod reference;
 pub mod report;
 pub mod safetensors;
+pub mod sample;
 pub mod threads;
 pub mod tokenizer;
 

@@ -1,0 +1,293 @@
+//! `bespoke run` and `bespoke score`: load, report, generate / score.
+
+use crate::engine::llama::{KvCache, LlamaModel};
+use crate::generate::{self, GenOptions, Generation};
+use crate::inspect::human_bytes;
+use crate::kernels::Kernels;
+use crate::model::layout::Kind;
+use crate::model::ModelDir;
+use crate::plan::{Family, Format};
+use crate::sample::{argmax, SamplingParams};
+use crate::tokenizer::ChatMessage;
+use serde_json::json;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// The bundled default model: `fixtures/tiny-llama` under the current
+/// directory, else in the source tree this binary was built from.
+pub fn default_model() -> PathBuf {
+    let local = Path::new("fixtures/tiny-llama");
+    if local.join("config.json").exists() {
+        local.to_path_buf()
+    } else {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-llama")
+    }
+}
+
+/// Parse "1,2,3" (spaces allowed).
+pub fn parse_ids(flag: &str, s: &str) -> Result<Vec<u32>, String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(|t| t.parse::<u32>().map_err(|_| format!("{flag}: {t:?} is not a token id (expected e.g. 1,2,3)")))
+        .collect()
+}
+
+/// Open the model and pick the kernels; prints the one-line load summary.
+pub fn load(dir: &Path) -> Result<(ModelDir, Kernels, String), String> {
+    let t = std::time::Instant::now();
+    let model = ModelDir::open(dir).map_err(|e| e.to_string())?;
+    let choice = Kernels::from_env().map_err(|e| e.to_string())?;
+    let secs = t.elapsed().as_secs_f64();
+    Ok((model, choice.kernels, format!("{} (opened in {:.0} ms)", choice.reason, secs * 1e3)))
+}
+
+/// Family, parameters, bytes by format, KV cache for `ctx` tokens.
+pub fn summary(m: &ModelDir, ctx: usize) -> String {
+    let c = &m.config;
+    let by: Vec<String> = m.bytes_by_format().iter().map(|(k, b)| format!("{k} {}", human_bytes(*b))).collect();
+    let kv = KvCache::bytes_for(c.num_layers, c.num_kv_heads * c.head_dim, ctx);
+    format!(
+        "{}: {}, {:.2}M params, weights {}, KV cache {} for {ctx} tokens",
+        m.dir.display(),
+        c.family.name(),
+        m.parameters() as f64 / 1e6,
+        by.join(" + "),
+        human_bytes(kv)
+    )
+}
+
+/// How many of the model's matrices have a kernel specialised on their
+/// shape in this build (the rest run the generic kernels).
+pub fn specialisation(m: &ModelDir, k: &Kernels) -> (usize, usize) {
+    let mut hit = 0;
+    let mut total = 0;
+    for x in &m.expected {
+        let (fmt, rows, cols) = match (&x.kind, x.shape.as_slice()) {
+            (Kind::Float, [r, c]) => (Format::Bf16, *r, *c),
+            (Kind::Fp8 { .. }, [r, c]) => (Format::Fp8, *r, *c),
+            (Kind::Fp4 { .. }, [r, c]) => (Format::Fp4, *r, 2 * *c),
+            _ => continue,
+        };
+        let fmt = match (fmt, m.weights.get(&x.name).map(|t| t.dtype())) {
+            (Format::Bf16, Some(crate::safetensors::Dtype::F32)) => Format::F32,
+            (f, _) => f,
+        };
+        total += 1;
+        if k.mat_kernel_specialised(fmt, rows, cols).is_some() {
+            hit += 1;
+        }
+    }
+    (hit, total)
+}
+
+fn banner(m: &ModelDir, k: &Kernels, reason: &str, ctx: usize) {
+    eprintln!("{}", summary(m, ctx));
+    let (hit, total) = specialisation(m, k);
+    let note = if hit == total {
+        "all specialised for this model".to_string()
+    } else if hit == 0 {
+        "none specialised (this build was made for other models; generic kernels run. Rebuild with BESPOKE_MODEL=<dir> to specialise)".to_string()
+    } else {
+        format!("{hit} of {total} matrices specialised, the rest generic")
+    };
+    eprintln!("kernels: {} — {reason}; {note}", k.isa());
+}
+
+fn engine<'m>(m: &'m ModelDir, k: Kernels) -> Result<LlamaModel<'m>, String> {
+    match m.config.family {
+        Family::DeepseekV4 => Err("the deepseek_v4 engine is not in this version yet (bespoke inspect validates such checkpoints)".into()),
+        _ => LlamaModel::new(m, k).map_err(|e| e.to_string()),
+    }
+}
+
+pub struct RunArgs {
+    pub model: Option<PathBuf>,
+    pub prompt: Option<String>,
+    pub prompt_ids: Option<String>,
+    pub chat: bool,
+    pub system: Option<String>,
+    pub max_new_tokens: Option<usize>,
+    pub greedy: bool,
+    pub temperature: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    pub chunk: usize,
+    pub json: bool,
+}
+
+pub const DEFAULT_PROMPT: &str = "The old lighthouse";
+
+pub fn run(a: RunArgs) -> Result<(), String> {
+    let dir = a.model.clone().unwrap_or_else(default_model);
+    let (m, k, reason) = load(&dir)?;
+    let tok = m.tokenizer.as_ref();
+    let prompt_ids = match (&a.prompt, &a.prompt_ids) {
+        (Some(_), Some(_)) => return Err("give --prompt or --prompt-ids, not both".into()),
+        (_, Some(ids)) => parse_ids("--prompt-ids", ids)?,
+        (p, None) => {
+            let tok = tok.ok_or("this model has no tokenizer.json: use --prompt-ids")?;
+            let text = p.clone().unwrap_or_else(|| DEFAULT_PROMPT.to_string());
+            if a.chat {
+                let mut msgs = Vec::new();
+                if let Some(s) = &a.system {
+                    msgs.push(ChatMessage::new("system", s));
+                }
+                msgs.push(ChatMessage::new("user", &text));
+                let rendered = tok.apply_chat_template(&msgs, true).map_err(|e| e.to_string())?;
+                // The template writes any BOS itself.
+                tok.encode(&rendered, false).map_err(|e| e.to_string())?
+            } else {
+                tok.encode(&text, true).map_err(|e| e.to_string())?
+            }
+        }
+    };
+    if a.chat && a.prompt_ids.is_some() {
+        return Err("--chat applies to --prompt text, not --prompt-ids".into());
+    }
+    let gen_default = m.generation.as_ref().and_then(|g| g.max_new_tokens).unwrap_or(64);
+    let max_new = a.max_new_tokens.unwrap_or(gen_default);
+    let limit = m.config.max_position_embeddings;
+    if prompt_ids.len() + max_new > limit {
+        return Err(format!(
+            "the prompt ({} tokens) plus --max-new-tokens {max_new} is {} tokens, past this model's context of {limit} (max_position_embeddings); shorten the prompt or lower --max-new-tokens",
+            prompt_ids.len(),
+            prompt_ids.len() + max_new
+        ));
+    }
+    let mut sampling = generate::default_sampling(&m);
+    if a.greedy {
+        sampling = SamplingParams { repetition_penalty: sampling.repetition_penalty, ..SamplingParams::greedy() };
+    } else if a.temperature.is_some() || a.top_k.is_some() || a.top_p.is_some() {
+        if sampling.is_greedy() {
+            sampling = SamplingParams { repetition_penalty: sampling.repetition_penalty, ..SamplingParams::default() };
+        }
+        if let Some(t) = a.temperature {
+            sampling.temperature = t;
+        }
+        if let Some(t) = a.top_k {
+            sampling.top_k = t;
+        }
+        if let Some(t) = a.top_p {
+            sampling.top_p = t;
+        }
+    }
+    if let Some(r) = a.repetition_penalty {
+        sampling.repetition_penalty = r;
+    }
+    if let Some(s) = a.seed {
+        sampling.seed = s;
+    }
+    sampling.validate()?;
+    let eng = engine(&m, k)?;
+    banner(&m, &k, &reason, prompt_ids.len() + max_new);
+    let opts = GenOptions {
+        max_new_tokens: max_new,
+        sampling,
+        ignore_eos: a.ignore_eos,
+        stop: a.stop.clone(),
+        chunk: a.chunk,
+        eos: generate::eos_ids(&m),
+    };
+    let stream = !a.json && tok.is_some();
+    let mut stdout = std::io::stdout();
+    if stream && a.prompt.is_some() && !a.chat {
+        let _ = write!(stdout, "{}", a.prompt.as_deref().unwrap_or(""));
+    } else if stream && a.prompt.is_none() && a.prompt_ids.is_none() {
+        let _ = write!(stdout, "{DEFAULT_PROMPT}");
+    }
+    let g: Generation = generate::generate(&eng, tok, &prompt_ids, &opts, |piece| {
+        if stream {
+            let _ = write!(stdout, "{piece}");
+            let _ = stdout.flush();
+        }
+    })
+    .map_err(|e| e.to_string())?;
+    let t = &g.timings;
+    if a.json {
+        let v = json!({
+            "prompt_ids": g.prompt_ids,
+            "new_ids": g.new_ids,
+            "text": g.text,
+            "stop_reason": g.stop_reason,
+            "kernels": k.isa().name(),
+            "timings": t,
+        });
+        println!("{v}");
+    } else {
+        if stream {
+            println!();
+        } else {
+            println!("{}", g.new_ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","));
+        }
+    }
+    eprintln!(
+        "prompt {} tokens; time to first token {:.1} ms; prefill {:.1} tok/s; decode {} tokens at {:.1} tok/s; stopped: {}; threads {}",
+        t.prompt_tokens,
+        t.ttft_s * 1e3,
+        t.prefill_tok_s,
+        t.new_tokens,
+        t.decode_tok_s,
+        g.stop_reason,
+        rayon::current_num_threads()
+    );
+    Ok(())
+}
+
+pub struct ScoreArgs {
+    pub model: Option<PathBuf>,
+    pub ids: Option<String>,
+    pub text: Option<String>,
+    pub json: bool,
+    pub logits_last: bool,
+    pub chunk: usize,
+}
+
+pub fn score(a: ScoreArgs) -> Result<(), String> {
+    let dir = a.model.clone().unwrap_or_else(default_model);
+    let (m, k, reason) = load(&dir)?;
+    let tok = m.tokenizer.as_ref();
+    let ids = match (&a.ids, &a.text) {
+        (Some(_), Some(_)) => return Err("give --ids or --text, not both".into()),
+        (Some(ids), None) => parse_ids("--ids", ids)?,
+        (None, Some(text)) => tok
+            .ok_or("this model has no tokenizer.json: use --ids")?
+            .encode(text, true)
+            .map_err(|e| e.to_string())?,
+        (None, None) => return Err("give the sequence to score with --ids 1,2,3 or --text TEXT".into()),
+    };
+    if ids.is_empty() {
+        return Err("nothing to score: the sequence is empty".into());
+    }
+    let eng = engine(&m, k)?;
+    if !a.json {
+        banner(&m, &k, &reason, ids.len());
+    }
+    let mut cache = eng.new_cache(ids.len()).map_err(|e| e.to_string())?;
+    let logits = eng.prefill(&mut cache, &ids, a.chunk, true).map_err(|e| e.to_string())?;
+    let vocab = eng.vocab();
+    let am: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();
+    let last = &logits[logits.len() - vocab..];
+    if a.json {
+        let mut v = json!({"ids": ids, "argmax": am, "kernels": k.isa().name()});
+        if a.logits_last {
+            v["last_logits"] = json!(last);
+        }
+        println!("{v}");
+        return Ok(());
+    }
+    let show = |id: u32| tok.and_then(|t| t.decode(&[id], false).ok()).map(|s| format!("{s:?}")).unwrap_or_default();
+    println!("{:>5} {:>7} {:<16} {:>7} {}", "pos", "id", "token", "argmax", "predicted");
+    for (i, (&t, &p)) in ids.iter().zip(&am).enumerate() {
+        println!("{i:>5} {t:>7} {:<16} {p:>7} {}", show(t), show(p));
+    }
+    if a.logits_last {
+        let s: Vec<String> = last.iter().map(|v| format!("{v}")).collect();
+        println!("last logits: [{}]", s.join(", "));
+    }
+    Ok(())
+}

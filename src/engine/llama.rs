@@ -1,0 +1,380 @@
+//! Llama (Llama, SmolLM2, Qwen2), Qwen3 and Qwen3-MoE: one forward pass,
+//! matching transformers' modeling code in f32.
+
+use super::{rms_norm, silu, vector, EngineError, Mat, Rope};
+use crate::kernels::{AttnArgs, Kernels};
+use crate::model::ModelDir;
+use crate::plan::config::Family;
+
+enum Mlp<'m> {
+    Dense { gate: Mat<'m>, up: Mat<'m>, down: Mat<'m> },
+    Moe { router: Mat<'m>, experts: Vec<[Mat<'m>; 3]>, top_k: usize, norm_topk_prob: bool },
+}
+
+struct Layer<'m> {
+    in_norm: Vec<f32>,
+    post_norm: Vec<f32>,
+    q: Mat<'m>,
+    k: Mat<'m>,
+    v: Mat<'m>,
+    o: Mat<'m>,
+    /// q, k, v (and o for Llama's attention_bias) biases.
+    bias: [Option<Vec<f32>>; 4],
+    /// Qwen3's per-head RMSNorm weights on q and k.
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    mlp: Mlp<'m>,
+}
+
+/// The KV cache of one sequence: per layer, [position][kv_heads × head_dim].
+pub struct KvCache {
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    /// Tokens already in the cache.
+    pub len: usize,
+    pub capacity: usize,
+}
+
+impl KvCache {
+    /// Bytes a cache for `ctx` tokens takes.
+    pub fn bytes_for(layers: usize, kv_width: usize, ctx: usize) -> u64 {
+        2 * layers as u64 * kv_width as u64 * ctx as u64 * 4
+    }
+}
+
+pub struct LlamaModel<'m> {
+    pub model: &'m ModelDir,
+    pub kernels: Kernels,
+    embed: Mat<'m>,
+    head: Mat<'m>,
+    norm: Vec<f32>,
+    layers: Vec<Layer<'m>>,
+    rope: Rope,
+    eps: f32,
+    d: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    vocab: usize,
+}
+
+impl<'m> LlamaModel<'m> {
+    pub fn new(model: &'m ModelDir, kernels: Kernels) -> Result<LlamaModel<'m>, EngineError> {
+        let c = &model.config;
+        if c.family == Family::DeepseekV4 {
+            return Err(EngineError::Unsupported("deepseek_v4 runs on its own engine".into()));
+        }
+        if c.sliding_window.is_some() {
+            return Err(EngineError::Unsupported(
+                "use_sliding_window is set in config.json; sliding-window Qwen layers are not supported yet".into(),
+            ));
+        }
+        let (d, hd) = (c.hidden_size, c.head_dim);
+        let embed = Mat::load(model, "model.embed_tokens.weight")?;
+        let head = if c.tie_word_embeddings && !model.weights.contains("lm_head.weight") {
+            Mat::load(model, "model.embed_tokens.weight")?
+        } else {
+            Mat::load(model, "lm_head.weight")?
+        };
+        let fused = model.weights.names().any(|n| n.ends_with(".mlp.experts.gate_up_proj"));
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for l in 0..c.num_layers {
+            let p = format!("model.layers.{l}");
+            let a = format!("{p}.self_attn");
+            let bias = |proj: &str, len: usize| -> Result<Option<Vec<f32>>, EngineError> {
+                let name = format!("{a}.{proj}.bias");
+                if model.weights.contains(&name) {
+                    vector(model, &name, len).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+            let qk_norm = if matches!(c.family, Family::Qwen3 | Family::Qwen3Moe) {
+                Some((vector(model, &format!("{a}.q_norm.weight"), hd)?, vector(model, &format!("{a}.k_norm.weight"), hd)?))
+            } else {
+                None
+            };
+            let sparse = c.moe.as_ref().filter(|m| !m.dense_layers.contains(&l));
+            let mlp = match sparse {
+                None => Mlp::Dense {
+                    gate: Mat::load(model, &format!("{p}.mlp.gate_proj.weight"))?,
+                    up: Mat::load(model, &format!("{p}.mlp.up_proj.weight"))?,
+                    down: Mat::load(model, &format!("{p}.mlp.down_proj.weight"))?,
+                },
+                Some(moe) => {
+                    let i = moe.moe_intermediate_size;
+                    let mut experts = Vec::with_capacity(moe.num_experts);
+                    for e in 0..moe.num_experts {
+                        experts.push(if fused {
+                            let gu = format!("{p}.mlp.experts.gate_up_proj");
+                            let dn = format!("{p}.mlp.experts.down_proj");
+                            [
+                                Mat::load_slice(model, &gu, e, 0, i)?,
+                                Mat::load_slice(model, &gu, e, i, i)?,
+                                Mat::load_slice(model, &dn, e, 0, d)?,
+                            ]
+                        } else {
+                            let x = format!("{p}.mlp.experts.{e}");
+                            [
+                                Mat::load(model, &format!("{x}.gate_proj.weight"))?,
+                                Mat::load(model, &format!("{x}.up_proj.weight"))?,
+                                Mat::load(model, &format!("{x}.down_proj.weight"))?,
+                            ]
+                        });
+                    }
+                    Mlp::Moe {
+                        router: Mat::load(model, &format!("{p}.mlp.gate.weight"))?,
+                        experts,
+                        top_k: moe.top_k,
+                        norm_topk_prob: moe.norm_topk_prob,
+                    }
+                }
+            };
+            layers.push(Layer {
+                in_norm: vector(model, &format!("{p}.input_layernorm.weight"), d)?,
+                post_norm: vector(model, &format!("{p}.post_attention_layernorm.weight"), d)?,
+                q: Mat::load(model, &format!("{a}.q_proj.weight"))?,
+                k: Mat::load(model, &format!("{a}.k_proj.weight"))?,
+                v: Mat::load(model, &format!("{a}.v_proj.weight"))?,
+                o: Mat::load(model, &format!("{a}.o_proj.weight"))?,
+                bias: [
+                    bias("q_proj", c.num_heads * hd)?,
+                    bias("k_proj", c.num_kv_heads * hd)?,
+                    bias("v_proj", c.num_kv_heads * hd)?,
+                    bias("o_proj", d)?,
+                ],
+                qk_norm,
+                mlp,
+            });
+        }
+        Ok(LlamaModel {
+            model,
+            kernels,
+            embed,
+            head,
+            norm: vector(model, "model.norm.weight", d)?,
+            layers,
+            rope: Rope::new(hd, c.rope_theta, &c.rope_scaling, c.max_position_embeddings),
+            eps: c.rms_norm_eps as f32,
+            d,
+            heads: c.num_heads,
+            kv_heads: c.num_kv_heads,
+            head_dim: hd,
+            vocab: c.vocab_size,
+        })
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// Whether every matrix is read in place from the mapping.
+    pub fn weights_in_place(&self) -> bool {
+        let mut all = self.embed.in_place() && self.head.in_place();
+        for l in &self.layers {
+            all &= [&l.q, &l.k, &l.v, &l.o].iter().all(|m| m.in_place());
+            match &l.mlp {
+                Mlp::Dense { gate, up, down } => all &= gate.in_place() && up.in_place() && down.in_place(),
+                Mlp::Moe { router, experts, .. } => {
+                    all &= router.in_place() && experts.iter().flatten().all(|m| m.in_place())
+                }
+            }
+        }
+        all
+    }
+
+    /// An empty cache for up to `capacity` tokens (checked against the context).
+    pub fn new_cache(&self, capacity: usize) -> Result<KvCache, EngineError> {
+        let limit = self.model.config.max_position_embeddings;
+        if capacity > limit {
+            return Err(EngineError::Context { needed: capacity, limit, hint: String::new() });
+        }
+        let w = self.kv_heads * self.head_dim;
+        Ok(KvCache {
+            k: (0..self.layers.len()).map(|_| vec![0.0; capacity * w]).collect(),
+            v: (0..self.layers.len()).map(|_| vec![0.0; capacity * w]).collect(),
+            len: 0,
+            capacity,
+        })
+    }
+
+    /// Run `tokens` (appended at cache.len) through the model. Returns the
+    /// logits of every position when `all_logits`, else of the last one.
+    pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>, EngineError> {
+        let n = tokens.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        if cache.len + n > cache.capacity {
+            return Err(EngineError::Context {
+                needed: cache.len + n,
+                limit: cache.capacity,
+                hint: " (the KV cache was sized for fewer tokens)".into(),
+            });
+        }
+        let (d, hd, h, kvh) = (self.d, self.head_dim, self.heads, self.kv_heads);
+        let k = &self.kernels;
+        let mut x = vec![0.0f32; n * d];
+        for (i, &t) in tokens.iter().enumerate() {
+            if t as usize >= self.vocab {
+                return Err(EngineError::BadToken { id: t, vocab: self.vocab });
+            }
+            self.embed.row_f32(t as usize, &mut x[i * d..(i + 1) * d]);
+        }
+        let pos0 = cache.len;
+        let kvw = kvh * hd;
+        let mut hbuf = vec![0.0f32; n * d];
+        let mut q = vec![0.0f32; n * h * hd];
+        let mut kk = vec![0.0f32; n * kvw];
+        let mut vv = vec![0.0f32; n * kvw];
+        let mut att = vec![0.0f32; n * h * hd];
+        let mut o = vec![0.0f32; n * d];
+        let scale = 1.0 / (hd as f32).sqrt();
+        for (li, layer) in self.layers.iter().enumerate() {
+            hbuf.copy_from_slice(&x);
+            rms_norm(&mut hbuf, &layer.in_norm, self.eps);
+            layer.q.apply(k, &hbuf, n, &mut q)?;
+            layer.k.apply(k, &hbuf, n, &mut kk)?;
+            layer.v.apply(k, &hbuf, n, &mut vv)?;
+            for (buf, b) in [(&mut q, &layer.bias[0]), (&mut kk, &layer.bias[1]), (&mut vv, &layer.bias[2])] {
+                if let Some(b) = b {
+                    for row in buf.chunks_exact_mut(b.len()) {
+                        row.iter_mut().zip(b).for_each(|(v, bb)| *v += bb);
+                    }
+                }
+            }
+            if let Some((qn, kn)) = &layer.qk_norm {
+                rms_norm(&mut q, qn, self.eps);
+                rms_norm(&mut kk, kn, self.eps);
+            }
+            for i in 0..n {
+                for head in q[i * h * hd..(i + 1) * h * hd].chunks_exact_mut(hd) {
+                    self.rope.apply(head, pos0 + i);
+                }
+                for head in kk[i * kvw..(i + 1) * kvw].chunks_exact_mut(hd) {
+                    self.rope.apply(head, pos0 + i);
+                }
+            }
+            cache.k[li][pos0 * kvw..(pos0 + n) * kvw].copy_from_slice(&kk);
+            cache.v[li][pos0 * kvw..(pos0 + n) * kvw].copy_from_slice(&vv);
+            for i in 0..n {
+                let args = AttnArgs {
+                    q: &q[i * h * hd..(i + 1) * h * hd],
+                    k: &cache.k[li],
+                    v: &cache.v[li],
+                    sinks: None,
+                    n_heads: h,
+                    n_kv_heads: kvh,
+                    head_dim: hd,
+                    kv_stride: kvw,
+                    t_len: pos0 + i + 1,
+                    window: 0,
+                    scale,
+                };
+                k.attn_decode(&args, &mut att[i * h * hd..(i + 1) * h * hd])?;
+            }
+            layer.o.apply(k, &att, n, &mut o)?;
+            if let Some(b) = &layer.bias[3] {
+                for row in o.chunks_exact_mut(d) {
+                    row.iter_mut().zip(b).for_each(|(v, bb)| *v += bb);
+                }
+            }
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            hbuf.copy_from_slice(&x);
+            rms_norm(&mut hbuf, &layer.post_norm, self.eps);
+            self.mlp(&layer.mlp, &hbuf, n, &mut o)?;
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        }
+        cache.len += n;
+        let rows: &mut [f32] = if all_logits { &mut x } else { &mut x[(n - 1) * d..] };
+        rms_norm(rows, &self.norm, self.eps);
+        let m = rows.len() / d;
+        let mut logits = vec![0.0f32; m * self.vocab];
+        self.head.apply(k, rows, m, &mut logits)?;
+        Ok(logits)
+    }
+
+    /// Prefill `tokens` in chunks of `chunk` (each through the small-batch
+    /// matmul kernels). Returns every position's logits when `all_logits`,
+    /// else the last position's.
+    pub fn prefill(&self, cache: &mut KvCache, tokens: &[u32], chunk: usize, all_logits: bool) -> Result<Vec<f32>, EngineError> {
+        let chunk = chunk.max(1);
+        let mut out = Vec::new();
+        let pieces: Vec<&[u32]> = tokens.chunks(chunk).collect();
+        for (i, piece) in pieces.iter().enumerate() {
+            let last = i + 1 == pieces.len();
+            let logits = self.forward(cache, piece, all_logits)?;
+            if all_logits {
+                out.extend_from_slice(&logits);
+            } else if last {
+                out = logits;
+            }
+        }
+        Ok(out)
+    }
+
+    fn mlp(&self, mlp: &Mlp, x: &[f32], n: usize, out: &mut [f32]) -> Result<(), EngineError> {
+        let k = &self.kernels;
+        let d = self.d;
+        match mlp {
+            Mlp::Dense { gate, up, down } => swiglu(k, [gate, up, down], x, n, out),
+            Mlp::Moe { router, experts, top_k, norm_topk_prob } => {
+                let e = experts.len();
+                let mut logits = vec![0.0f32; n * e];
+                router.apply(k, x, n, &mut logits)?;
+                // Per token: softmax over experts, top-k, optional renormalisation.
+                let mut chosen: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
+                for t in 0..n {
+                    let row = &logits[t * e..(t + 1) * e];
+                    let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                    let exps: Vec<f32> = row.iter().map(|v| (v - max).exp()).collect();
+                    let sum: f32 = exps.iter().sum();
+                    let probs: Vec<f32> = exps.iter().map(|v| v / sum).collect();
+                    let mut order: Vec<usize> = (0..e).collect();
+                    // Descending probability; ties to the lower expert index.
+                    order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+                    let top = &order[..*top_k];
+                    let denom: f32 = if *norm_topk_prob { top.iter().map(|&i| probs[i]).sum() } else { 1.0 };
+                    for &i in top {
+                        chosen[i].push((t, probs[i] / denom));
+                    }
+                }
+                out[..n * d].fill(0.0);
+                // Experts in index order, each over its group of tokens at once
+                // (transformers adds them in the same order).
+                let mut xe = Vec::new();
+                let mut ye = Vec::new();
+                for (ei, group) in chosen.iter().enumerate() {
+                    if group.is_empty() {
+                        continue;
+                    }
+                    let m = group.len();
+                    xe.clear();
+                    for &(t, _) in group {
+                        xe.extend_from_slice(&x[t * d..(t + 1) * d]);
+                    }
+                    ye.resize(m * d, 0.0);
+                    let [g, u, dn] = &experts[ei];
+                    swiglu(k, [g, u, dn], &xe, m, &mut ye)?;
+                    for (j, &(t, w)) in group.iter().enumerate() {
+                        for (o, y) in out[t * d..(t + 1) * d].iter_mut().zip(&ye[j * d..(j + 1) * d]) {
+                            *o += y * w;
+                        }
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// down(silu(gate·x) ⊙ up·x) for n tokens.
+fn swiglu(k: &Kernels, [gate, up, down]: [&Mat; 3], x: &[f32], n: usize, out: &mut [f32]) -> Result<(), EngineError> {
+    let i = gate.rows;
+    let mut g = vec![0.0f32; n * i];
+    let mut u = vec![0.0f32; n * i];
+    gate.apply(k, x, n, &mut g)?;
+    up.apply(k, x, n, &mut u)?;
+    g.iter_mut().zip(&u).for_each(|(a, b)| *a = silu(*a) * b);
+    down.apply(k, &g, n, &mut out[..n * down.rows])?;
+    Ok(())
+}

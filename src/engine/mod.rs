@@ -1,0 +1,266 @@
+//! The engines: forward passes over the generated kernels. Matrix and
+//! attention work goes through [`Kernels`]; the glue (norms, RoPE, routing)
+//! is plain Rust in f32. Weights are read in place from the model's mapping.
+
+pub mod llama;
+
+use crate::kernels::{KernelError, Kernels, Matrix, Weights};
+use crate::model::layout::Kind;
+use crate::model::{ModelDir, ModelError};
+use crate::plan::config::RopeScaling;
+use crate::safetensors::{Dtype, ViewError};
+use std::borrow::Cow;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("{0}")]
+    Model(#[from] ModelError),
+    #[error("{0}")]
+    Kernel(#[from] KernelError),
+    #[error("{0}")]
+    View(#[from] ViewError),
+    #[error("{0}")]
+    Unsupported(String),
+    #[error("the sequence would be {needed} tokens, past this model's context of {limit} (max_position_embeddings in config.json){hint}")]
+    Context { needed: usize, limit: usize, hint: String },
+    #[error("token id {id} is outside the vocabulary (vocab_size {vocab})")]
+    BadToken { id: u32, vocab: usize },
+}
+
+/// A weight matrix [rows, cols] read from the model, in place when aligned.
+pub struct Mat<'m> {
+    pub name: String,
+    pub rows: usize,
+    pub cols: usize,
+    data: MatData<'m>,
+}
+
+enum MatData<'m> {
+    F32(Cow<'m, [f32]>),
+    Bf16(Cow<'m, [u16]>),
+    Fp8 { w: &'m [u8], scale: &'m [u8] },
+    Fp4 { w: &'m [u8], scale: &'m [u8] },
+}
+
+impl<'m> Mat<'m> {
+    /// The tensor `name` as a [rows, cols] matrix: F32, BF16, or FP8 / FP4
+    /// with the scale tensor the model's layout pairs with it. (F16 is not a
+    /// kernel format and is refused by name.)
+    pub fn load(m: &'m ModelDir, name: &str) -> Result<Mat<'m>, EngineError> {
+        let missing = |n: &str| EngineError::Unsupported(format!("tensor {n:?} is missing (validated layouts should not allow this)"));
+        let t = m.weights.get(name).ok_or_else(|| missing(name))?;
+        let shape = t.shape();
+        let (rows, mut cols) = match shape {
+            [r, c] => (*r, *c),
+            _ => return Err(EngineError::Unsupported(format!("tensor {name:?} is {shape:?}, expected a matrix"))),
+        };
+        let kind = m.expected.iter().find(|x| x.name == name).map(|x| &x.kind);
+        let data = match (t.dtype(), kind) {
+            (Dtype::F8E4M3, Some(Kind::Fp8 { scale, .. })) => {
+                let s = m.weights.get(scale).ok_or_else(|| missing(scale))?;
+                MatData::Fp8 { w: t.u8s()?, scale: s.u8s()? }
+            }
+            (Dtype::I8 | Dtype::U8, Some(Kind::Fp4 { scale })) => {
+                let s = m.weights.get(scale).ok_or_else(|| missing(scale))?;
+                cols *= 2;
+                MatData::Fp4 { w: t.u8s()?, scale: s.u8s()? }
+            }
+            (Dtype::F32, _) => MatData::F32(t.f32s()?),
+            (Dtype::BF16, _) => MatData::Bf16(t.u16s()?),
+            (other, _) => {
+                return Err(EngineError::Unsupported(format!(
+                    "tensor {name:?} is {other}; the kernels read F32, BF16, FP8 E4M3 and FP4 E2M1 (with their UE8M0 scales)"
+                )))
+            }
+        };
+        let mat = Mat { name: name.to_string(), rows, cols, data };
+        mat.matrix()?; // check the lengths once, up front
+        Ok(mat)
+    }
+
+    /// A block of `rows` rows starting at `row0` of a 3-D tensor [E, R, C]
+    /// flattened (fused experts): rows row0..row0+rows of expert `e`.
+    pub fn load_slice(m: &'m ModelDir, name: &str, e: usize, row0: usize, rows: usize) -> Result<Mat<'m>, EngineError> {
+        let t = m.weights.get(name).ok_or_else(|| EngineError::Unsupported(format!("tensor {name:?} is missing")))?;
+        let (n_e, r_e, cols) = match t.shape() {
+            [a, b, c] => (*a, *b, *c),
+            s => return Err(EngineError::Unsupported(format!("tensor {name:?} is {s:?}, expected [experts, rows, cols]"))),
+        };
+        if e >= n_e || row0 + rows > r_e {
+            return Err(EngineError::Unsupported(format!("{name:?}: slice out of range")));
+        }
+        let start = (e * r_e + row0) * cols;
+        let end = start + rows * cols;
+        let data = match t.dtype() {
+            Dtype::F32 => MatData::F32(match t.f32s()? {
+                Cow::Borrowed(s) => Cow::Borrowed(&s[start..end]),
+                Cow::Owned(v) => Cow::Owned(v[start..end].to_vec()),
+            }),
+            Dtype::BF16 => MatData::Bf16(match t.u16s()? {
+                Cow::Borrowed(s) => Cow::Borrowed(&s[start..end]),
+                Cow::Owned(v) => Cow::Owned(v[start..end].to_vec()),
+            }),
+            other => return Err(EngineError::Unsupported(format!("tensor {name:?} is {other}; expected F32 or BF16"))),
+        };
+        let mat = Mat { name: format!("{name}[{e}][{row0}..{}]", row0 + rows), rows, cols, data };
+        mat.matrix()?;
+        Ok(mat)
+    }
+
+    pub fn matrix(&self) -> Result<Matrix<'_>, KernelError> {
+        let w = match &self.data {
+            MatData::F32(v) => Weights::F32(v),
+            MatData::Bf16(v) => Weights::Bf16(v),
+            MatData::Fp8 { w, scale } => Weights::Fp8 { w, scale },
+            MatData::Fp4 { w, scale } => Weights::Fp4 { w, scale },
+        };
+        Matrix::new(self.rows, self.cols, w)
+    }
+
+    /// Whether the weights are borrowed from the file mapping (not copied).
+    pub fn in_place(&self) -> bool {
+        match &self.data {
+            MatData::F32(v) => matches!(v, Cow::Borrowed(_)),
+            MatData::Bf16(v) => matches!(v, Cow::Borrowed(_)),
+            _ => true,
+        }
+    }
+
+    /// Row `r` as f32 (embedding lookup).
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        let c = self.cols;
+        match &self.data {
+            MatData::F32(v) => out.copy_from_slice(&v[r * c..(r + 1) * c]),
+            MatData::Bf16(v) => {
+                for (o, &b) in out.iter_mut().zip(&v[r * c..(r + 1) * c]) {
+                    *o = f32::from_bits((b as u32) << 16);
+                }
+            }
+            // Embeddings are never quantized in the supported checkpoints.
+            MatData::Fp8 { .. } | MatData::Fp4 { .. } => out.fill(f32::NAN),
+        }
+    }
+
+    /// Y[n][rows] = W X[n][cols].
+    pub fn apply(&self, k: &Kernels, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), KernelError> {
+        let m = self.matrix()?;
+        if n == 1 {
+            k.matvec(&m, x, y)
+        } else {
+            k.matmul(&m, x, n, y)
+        }
+    }
+}
+
+/// A 1-D float tensor (norm weights, biases) as f32.
+pub fn vector(m: &ModelDir, name: &str, len: usize) -> Result<Vec<f32>, EngineError> {
+    let t = m.weights.get(name).ok_or_else(|| EngineError::Unsupported(format!("tensor {name:?} is missing")))?;
+    let v = t.to_f32_vec()?;
+    if v.len() != len {
+        return Err(EngineError::Unsupported(format!("tensor {name:?} has {} values, expected {len}", v.len())));
+    }
+    Ok(v)
+}
+
+/// RMSNorm of each `w.len()`-wide row of `x` in place: x / sqrt(mean(x²) + eps) * w
+/// (transformers' order: normalise in f32, then scale by the weight).
+pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
+    let d = w.len();
+    for row in x.chunks_exact_mut(d) {
+        let ss: f32 = row.iter().map(|v| v * v).sum();
+        let inv = 1.0 / (ss / d as f32 + eps).sqrt();
+        for (v, &g) in row.iter_mut().zip(w) {
+            *v = g * (*v * inv);
+        }
+    }
+}
+
+/// x · sigmoid(x), as torch's silu.
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// Rotary position embedding tables for half-split ("rotate_half") RoPE.
+pub struct Rope {
+    /// Rotated dims (head_dim, or less with a partial factor).
+    pub dim: usize,
+    pub inv_freq: Vec<f32>,
+    /// Multiplies cos and sin (YaRN's attention factor; 1 otherwise).
+    pub attention_scaling: f32,
+}
+
+impl Rope {
+    /// The inverse frequencies transformers computes for `scaling`.
+    pub fn new(dim: usize, theta: f64, scaling: &RopeScaling, max_pos: usize) -> Rope {
+        let base = theta as f32;
+        let half = dim / 2;
+        let mut inv: Vec<f32> =
+            (0..half).map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32)).collect();
+        let mut attention_scaling = 1.0f32;
+        match *scaling {
+            RopeScaling::None | RopeScaling::Dynamic { .. } => {}
+            RopeScaling::Linear { factor } => inv.iter_mut().for_each(|f| *f /= factor as f32),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                let old = original_max_position_embeddings as f32;
+                let (factor, low, high) = (factor as f32, low_freq_factor as f32, high_freq_factor as f32);
+                let low_wavelen = old / low;
+                let high_wavelen = old / high;
+                for f in inv.iter_mut() {
+                    let wavelen = 2.0 * std::f32::consts::PI / *f;
+                    if wavelen > low_wavelen {
+                        *f /= factor;
+                    } else if wavelen >= high_wavelen {
+                        let smooth = (old / wavelen - low) / (high - low);
+                        *f = (1.0 - smooth) * *f / factor + smooth * *f;
+                    }
+                }
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                mscale,
+                mscale_all_dim,
+                attention_factor,
+            } => {
+                let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+                attention_scaling = match attention_factor {
+                    Some(a) => a as f32,
+                    None => match (mscale, mscale_all_dim) {
+                        (Some(m), Some(ma)) => (get_mscale(factor, m) / get_mscale(factor, ma)) as f32,
+                        _ => get_mscale(factor, 1.0) as f32,
+                    },
+                };
+                let orig = original_max_position_embeddings as f64;
+                let d = dim as f64;
+                let correction = |rot: f64| (d * (orig / (rot * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * theta.ln());
+                let low = correction(beta_fast).floor().max(0.0);
+                let high = correction(beta_slow).ceil().min(d - 1.0);
+                let high = if low == high { high + 0.001 } else { high };
+                for (i, f) in inv.iter_mut().enumerate() {
+                    let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0) as f32;
+                    let extrapolation = 1.0 - ramp;
+                    let interpolated = *f / factor as f32;
+                    *f = interpolated * (1.0 - extrapolation) + *f * extrapolation;
+                }
+            }
+        }
+        let _ = max_pos;
+        Rope { dim, inv_freq: inv, attention_scaling }
+    }
+
+    /// Rotate one head vector (its first `dim` values) at `pos`.
+    pub fn apply(&self, x: &mut [f32], pos: usize) {
+        let half = self.dim / 2;
+        let p = pos as f32;
+        for i in 0..half {
+            let f = p * self.inv_freq[i];
+            let (c, s) = (f.cos() * self.attention_scaling, f.sin() * self.attention_scaling);
+            let (a, b) = (x[i], x[i + half]);
+            x[i] = a * c - b * s;
+            x[i + half] = b * c + a * s;
+        }
+    }
+}

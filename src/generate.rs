@@ -1,0 +1,195 @@
+//! Text generation over any engine: chunked prefill, KV-cache decode,
+//! sampling, stop conditions, streaming and timings.
+
+use crate::engine::EngineError;
+use crate::model::ModelDir;
+use crate::sample::{SamplingParams, Sampler};
+use crate::tokenizer::Tokenizer;
+use std::time::Instant;
+
+/// What an engine offers the generation loop.
+pub trait CausalLm {
+    type Cache;
+    fn vocab(&self) -> usize;
+    /// An empty KV cache for up to `capacity` tokens.
+    fn new_cache(&self, capacity: usize) -> Result<Self::Cache, EngineError>;
+    /// Append `tokens` in chunks; all positions' logits or the last one's.
+    fn prefill(&self, cache: &mut Self::Cache, tokens: &[u32], chunk: usize, all_logits: bool)
+        -> Result<Vec<f32>, EngineError>;
+}
+
+impl<'m> CausalLm for crate::engine::llama::LlamaModel<'m> {
+    type Cache = crate::engine::llama::KvCache;
+    fn vocab(&self) -> usize {
+        crate::engine::llama::LlamaModel::vocab(self)
+    }
+    fn new_cache(&self, capacity: usize) -> Result<Self::Cache, EngineError> {
+        crate::engine::llama::LlamaModel::new_cache(self, capacity)
+    }
+    fn prefill(&self, cache: &mut Self::Cache, tokens: &[u32], chunk: usize, all_logits: bool) -> Result<Vec<f32>, EngineError> {
+        crate::engine::llama::LlamaModel::prefill(self, cache, tokens, chunk, all_logits)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct GenOptions {
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+    pub ignore_eos: bool,
+    /// Stop as soon as the generated text contains one of these.
+    pub stop: Vec<String>,
+    /// Prefill chunk size (tokens per small-batch matmul call).
+    pub chunk: usize,
+    /// Token ids that end generation (unless `ignore_eos`).
+    pub eos: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Timings {
+    pub prompt_tokens: usize,
+    pub new_tokens: usize,
+    /// Prompt in, first new token out (prefill + the first sample).
+    pub ttft_s: f64,
+    pub prefill_s: f64,
+    pub decode_s: f64,
+    pub prefill_tok_s: f64,
+    /// New tokens after the first, per second of decode.
+    pub decode_tok_s: f64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Generation {
+    pub prompt_ids: Vec<u32>,
+    pub new_ids: Vec<u32>,
+    pub text: String,
+    /// "eos", "stop", "length".
+    pub stop_reason: String,
+    pub timings: Timings,
+}
+
+/// The end-of-sequence ids: generation_config.json, else config.json, else
+/// the tokenizer's eos_token.
+pub fn eos_ids(model: &ModelDir) -> Vec<u32> {
+    if let Some(g) = &model.generation {
+        if !g.eos_token_ids.is_empty() {
+            return g.eos_token_ids.clone();
+        }
+    }
+    if !model.config.eos_token_ids.is_empty() {
+        return model.config.eos_token_ids.clone();
+    }
+    model
+        .tokenizer
+        .as_ref()
+        .and_then(|t| t.special_token("eos_token").and_then(|s| t.token_to_id(s)))
+        .into_iter()
+        .collect()
+}
+
+/// Sampling defaults as transformers applies them: greedy unless
+/// generation_config.json sets do_sample, then its temperature / top-k / top-p.
+pub fn default_sampling(model: &ModelDir) -> SamplingParams {
+    let mut p = SamplingParams::greedy();
+    if let Some(g) = &model.generation {
+        if g.do_sample == Some(true) {
+            let d = SamplingParams::default();
+            p.temperature = g.temperature.map_or(d.temperature, |t| t as f32);
+            p.top_k = g.top_k.unwrap_or(d.top_k);
+            p.top_p = g.top_p.map_or(d.top_p, |t| t as f32);
+        }
+        if let Some(r) = g.repetition_penalty {
+            p.repetition_penalty = r as f32;
+        }
+    }
+    p
+}
+
+/// Generate after `prompt`. `on_text` receives the text as it grows (whole
+/// characters only; never the stop string).
+pub fn generate<E: CausalLm>(
+    eng: &E,
+    tok: Option<&Tokenizer>,
+    prompt: &[u32],
+    opts: &GenOptions,
+    mut on_text: impl FnMut(&str),
+) -> Result<Generation, EngineError> {
+    let mut sampler = Sampler::new(opts.sampling.clone()).map_err(EngineError::Unsupported)?;
+    if prompt.is_empty() {
+        return Err(EngineError::Unsupported("the prompt is empty: give at least one token".into()));
+    }
+    let mut cache = eng.new_cache(prompt.len() + opts.max_new_tokens)?;
+    let mut history = prompt.to_vec();
+    let mut new_ids = Vec::new();
+    let mut text = String::new();
+    let mut emitted = 0usize;
+    let mut stop_reason = "length";
+    let t0 = Instant::now();
+    let mut logits = eng.prefill(&mut cache, prompt, opts.chunk, false)?;
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let mut ttft_s = 0.0;
+    let mut t_first = t0;
+    while new_ids.len() < opts.max_new_tokens {
+        let next = sampler.sample(&mut logits, &history);
+        if new_ids.is_empty() {
+            t_first = Instant::now();
+            ttft_s = t0.elapsed().as_secs_f64();
+        }
+        if !opts.ignore_eos && opts.eos.contains(&next) {
+            stop_reason = "eos";
+            break;
+        }
+        new_ids.push(next);
+        history.push(next);
+        if let Some(t) = tok {
+            let full = t.decode(&new_ids, true).map_err(|e| EngineError::Unsupported(e.to_string()))?;
+            if let Some(at) = opts.stop.iter().filter_map(|s| full.find(s.as_str())).min() {
+                text = full[..at].to_string();
+                if let Some(rest) = text.get(emitted..) {
+                    on_text(rest);
+                }
+                stop_reason = "stop";
+                break;
+            }
+            // Hold back a trailing partial character (byte-level BPE).
+            if !full.ends_with('\u{FFFD}') {
+                if let Some(rest) = full.get(emitted..) {
+                    // Keep back a possible stop-string prefix.
+                    let hold = opts
+                        .stop
+                        .iter()
+                        .map(|s| (1..s.len()).rev().find(|&k| full.ends_with(&s[..k]) && s.is_char_boundary(k)).unwrap_or(0))
+                        .max()
+                        .unwrap_or(0);
+                    let upto = rest.len().saturating_sub(hold);
+                    if upto > 0 && rest.is_char_boundary(upto) {
+                        on_text(&rest[..upto]);
+                        emitted += upto;
+                    }
+                }
+            }
+            text = full;
+        }
+        if new_ids.len() == opts.max_new_tokens {
+            break;
+        }
+        logits = eng.prefill(&mut cache, &[next], 1, false)?;
+    }
+    if stop_reason != "stop" {
+        if let Some(rest) = text.get(emitted..) {
+            if !rest.is_empty() {
+                on_text(rest);
+            }
+        }
+    }
+    let decode_s = if new_ids.len() > 1 { t_first.elapsed().as_secs_f64() } else { 0.0 };
+    let timings = Timings {
+        prompt_tokens: prompt.len(),
+        new_tokens: new_ids.len(),
+        ttft_s,
+        prefill_s,
+        decode_s,
+        prefill_tok_s: prompt.len() as f64 / prefill_s.max(1e-9),
+        decode_tok_s: if new_ids.len() > 1 { (new_ids.len() - 1) as f64 / decode_s.max(1e-9) } else { 0.0 },
+    };
+    Ok(Generation { prompt_ids: prompt.to_vec(), new_ids, text, stop_reason: stop_reason.into(), timings })
+}
