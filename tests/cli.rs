@@ -150,3 +150,77 @@ fn inspect_errors_name_the_problem() {
     let (ok, _, err) = run(&["inspect", "--model", "/nonexistent/model"]);
     assert!(!ok && err.contains("not a directory"), "{err}");
 }
+
+#[test]
+fn run_with_no_arguments_uses_the_bundled_model() {
+    let (ok, out, err) = run(&["run", "--max-new-tokens", "5"]);
+    assert!(ok, "{err}");
+    assert!(out.starts_with("The old lighthouse"), "{out}");
+    for needle in ["tiny-llama", "params", "KV cache", "kernels:", "time to first token", "prefill", "decode"] {
+        assert!(err.contains(needle), "stderr should mention {needle:?}: {err}");
+    }
+}
+
+/// `run --json` (a stable interface): greedy tokens equal the reference.
+#[test]
+fn run_json_matches_the_reference_greedy_tokens() {
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/tiny-qwen3/ref.json")).unwrap()).unwrap();
+    let p = &r["prompts"][1];
+    let ids: Vec<String> = p["ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
+    let (ok, out, err) = run(&[
+        "run", "--model", "fixtures/tiny-qwen3", "--prompt-ids", &ids.join(","), "--max-new-tokens", "24", "--ignore-eos", "--greedy", "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    assert_eq!(v["new_ids"], p["greedy"]);
+    assert_eq!(v["prompt_ids"], p["ids"]);
+    assert!(v["timings"]["decode_tok_s"].as_f64().unwrap() > 0.0);
+    assert!(v["text"].is_string());
+    // The same through --prompt text.
+    let (ok, out, _) = run(&["run", "--model", "fixtures/tiny-qwen3", "--prompt", p["text"].as_str().unwrap(), "--max-new-tokens", "24", "--ignore-eos", "--json"]);
+    assert!(ok);
+    let v2: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v2["new_ids"], p["greedy"]);
+    // Sampling is reproducible by seed.
+    let args = ["run", "--temperature", "1.0", "--top-k", "40", "--seed", "7", "--max-new-tokens", "12", "--ignore-eos", "--json"];
+    let new_ids = |out: &str| serde_json::from_str::<serde_json::Value>(out.trim()).unwrap()["new_ids"].clone();
+    let (_, a, _) = run(&args);
+    let (_, b, _) = run(&args);
+    assert_eq!(new_ids(&a), new_ids(&b));
+}
+
+#[test]
+fn score_prints_argmax_at_every_position() {
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/tiny-qwen3-moe/ref.json")).unwrap()).unwrap();
+    let p = &r["prompts"][2];
+    let ids: Vec<String> = p["ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
+    let (ok, out, err) = run(&["score", "--model", "fixtures/tiny-qwen3-moe", "--ids", &ids.join(","), "--json", "--logits", "last"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["argmax"], p["argmax"]);
+    assert_eq!(v["last_logits"].as_array().unwrap().len(), 512);
+    let (ok, out, _) = run(&["score", "--model", "fixtures/tiny-llama", "--text", "The old river is"]);
+    assert!(ok && out.contains("argmax") && out.lines().count() >= 5, "{out}");
+}
+
+#[test]
+fn run_and_score_errors_are_clear() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["run", "--prompt-ids", "1,x,3"], "\"x\" is not a token id"),
+        (&["run", "--prompt-ids", "1,9999"], "9999"),
+        (&["run", "--max-new-tokens", "100000"], "max_position_embeddings"),
+        (&["run", "--top-p", "1.5"], "--top-p"),
+        (&["run", "--temperature=-1"], "--temperature"),
+        (&["run", "--model", "fixtures/tiny-dsv4"], "deepseek_v4 engine"),
+        (&["score"], "--ids"),
+        (&["run", "--model", "/nonexistent"], "not a directory"),
+    ];
+    for (args, needle) in cases {
+        let (ok, _, err) = run(args);
+        assert!(!ok, "{args:?} should fail");
+        assert!(err.contains(needle), "{args:?}: expected {needle:?} in {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}

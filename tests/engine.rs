@@ -100,3 +100,61 @@ fn context_and_token_errors() {
     let e = eng.forward(&mut c, &[9999], false).unwrap_err().to_string();
     assert!(e.contains("9999") && e.contains("vocab"), "{e}");
 }
+
+/// RoPE frequencies for every scaling variant, against transformers
+/// (fixtures/rope_cases.json from tools/make_rope_cases.py).
+#[test]
+fn rope_scaling_matches_transformers() {
+    use bespoke::engine::Rope;
+    use bespoke::plan::ModelConfig;
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/rope_cases.json");
+    let cases: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    for c in cases["cases"].as_array().unwrap() {
+        let hd = c["head_dim"].as_u64().unwrap() as usize;
+        let cfg = serde_json::json!({
+            "model_type": "llama", "hidden_size": hd * 4, "num_attention_heads": 4, "head_dim": hd,
+            "max_position_embeddings": c["max_position_embeddings"], "rope_parameters": c["rope_parameters"],
+        });
+        let cfg = ModelConfig::from_json("rope case", &cfg).unwrap();
+        let rope = Rope::new(hd, cfg.rope_theta, &cfg.rope_scaling, cfg.max_position_embeddings);
+        let want: Vec<f64> = c["inv_freq"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+        assert_eq!(rope.inv_freq.len(), want.len(), "{}", c["name"]);
+        for (i, (&got, &w)) in rope.inv_freq.iter().zip(&want).enumerate() {
+            let rel = ((got as f64 - w) / w).abs();
+            assert!(rel < 2e-6, "{}: inv_freq[{i}] = {got}, transformers {w}", c["name"]);
+        }
+        let s = c["attention_scaling"].as_f64().unwrap();
+        assert!((rope.attention_scaling as f64 - s).abs() < 1e-6, "{}: attention scaling {} vs {s}", c["name"], rope.attention_scaling);
+    }
+}
+
+/// A real checkpoint, when `BESPOKE_TEST_MODEL_DIR` names one (e.g.
+/// SmolLM2-135M or Qwen3-0.6B): greedy text from a factual prompt must hold
+/// the known continuation. `BESPOKE_TEST_PROMPT` / `BESPOKE_TEST_EXPECT`
+/// override the prompt ("The capital of France is") and the expected text
+/// ("Paris"). Without the variable there is nothing to run (CI has no
+/// model hub), and the test says so.
+#[test]
+fn real_checkpoint_is_coherent() {
+    let Some(dir) = std::env::var_os("BESPOKE_TEST_MODEL_DIR") else {
+        eprintln!("BESPOKE_TEST_MODEL_DIR is not set: no real checkpoint to run");
+        return;
+    };
+    let prompt = std::env::var("BESPOKE_TEST_PROMPT").unwrap_or_else(|_| "The capital of France is".into());
+    let expect = std::env::var("BESPOKE_TEST_EXPECT").unwrap_or_else(|_| "Paris".into());
+    let m = ModelDir::open(Path::new(&dir)).unwrap();
+    let tok = m.tokenizer.as_ref().expect("the checkpoint's tokenizer.json");
+    let eng = LlamaModel::new(&m, Kernels::best()).unwrap();
+    let ids = tok.encode(&prompt, true).unwrap();
+    let opts = bespoke::generate::GenOptions {
+        max_new_tokens: 16,
+        sampling: bespoke::sample::SamplingParams::greedy(),
+        ignore_eos: false,
+        stop: Vec::new(),
+        chunk: 64,
+        eos: bespoke::generate::eos_ids(&m),
+    };
+    let g = bespoke::generate::generate(&eng, Some(tok), &ids, &opts, |_| {}).unwrap();
+    eprintln!("{prompt}{}", g.text);
+    assert!(g.text.contains(&expect), "expected {expect:?} in the continuation of {prompt:?}: {:?}", g.text);
+}
