@@ -2,6 +2,7 @@
 //! machine. See README.md for the flow; `plan` is shared with build.rs.
 
 pub mod bench;
+pub mod bench_e2e;
 pub mod commands;
 pub mod cpu;
 pub mod engine;

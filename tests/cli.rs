@@ -224,3 +224,21 @@ fn run_and_score_errors_are_clear() {
         assert!(!err.contains("panicked"), "{err}");
     }
 }
+
+#[test]
+fn bench_e2e_quick_writes_json() {
+    let path = std::env::temp_dir().join(format!("bespoke-e2e-{}.json", std::process::id()));
+    let p = path.to_str().unwrap();
+    let (ok, _, err) = run(&["bench", "e2e", "--model", "fixtures/tiny-qwen3-moe", "--quick", "--prompt-len", "70", "--gen", "4", "--threads", "2", "--json", p]);
+    assert!(ok, "{err}");
+    assert!(err.contains("decode") && err.contains("% of read bandwidth"), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    for r in runs {
+        assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0 && r["prefill_tok_s"].as_f64().unwrap() > 0.0);
+        assert!(r["read_gb_per_s"].as_f64().unwrap() > 0.0);
+    }
+    assert!(v["bytes_per_decode_token"].as_u64().unwrap() > 0);
+    std::fs::remove_file(&path).ok();
+}

@@ -152,6 +152,34 @@ enum Command {
 
 #[derive(Subcommand)]
 enum BenchWhat {
+    /// Whole-model speed: prefill and decode tok/s and time to first token
+    /// at 1 thread and all threads, the read bandwidth measured in the same
+    /// run, and the fraction of it decode reaches (weight bytes read per
+    /// token × tok/s ÷ bandwidth). Weights stay memory-mapped; use a model
+    /// larger than the last-level cache for a meaningful fraction.
+    E2e {
+        /// The model directory (default: the bundled fixtures/tiny-llama).
+        #[arg(long, value_name = "DIR")]
+        model: Option<PathBuf>,
+        /// Prompt length in tokens (a fixed, deterministic sequence of ids).
+        #[arg(long, value_name = "P", default_value_t = 128)]
+        prompt_len: usize,
+        /// Tokens to generate (greedy).
+        #[arg(long, value_name = "N", default_value_t = 32)]
+        gen: usize,
+        /// Prompt tokens per prefill step.
+        #[arg(long, value_name = "N", default_value_t = 64)]
+        chunk: usize,
+        /// Thread count for the "all threads" runs (default: physical cores).
+        #[arg(long, value_name = "N")]
+        threads: Option<usize>,
+        /// One repeat and a small bandwidth buffer (smoke tests).
+        #[arg(long)]
+        quick: bool,
+        /// Also write the results as JSON to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+    },
     /// Time every FP4 / FP8 / BF16 matvec this build specialised at DeepSeek V4
     /// Flash expert shapes and the fixture's shapes, per ISA variant,
     /// specialised and generic, 1 thread and all threads, weights cache-resident
@@ -277,6 +305,20 @@ fn run(cli: Cli) -> Result<(), String> {
                 );
             } else {
                 print!("{}", bespoke::inspect::text(&m, brief));
+            }
+            Ok(())
+        }
+        Command::Bench {
+            what: BenchWhat::E2e { model, prompt_len, gen, chunk, threads: t, quick, json },
+        } => {
+            let n = threads::resolve(t)?;
+            let dir = model.unwrap_or_else(bespoke::commands::default_model);
+            let opts = bespoke::bench_e2e::E2eOptions { prompt_len, gen, threads: n, quick, chunk };
+            let r = bespoke::bench_e2e::e2e(&dir, &opts)?;
+            if let Some(path) = json {
+                let text = serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?;
+                std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+                eprintln!("wrote {}", path.display());
             }
             Ok(())
         }

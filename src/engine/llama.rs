@@ -182,6 +182,24 @@ impl<'m> LlamaModel<'m> {
         all
     }
 
+    /// Weight bytes one decoded token reads: every layer's attention and MLP
+    /// (for MoE, the router plus top-k of the experts on average) and the
+    /// head; the embedding row is negligible.
+    pub fn bytes_per_token(&self) -> u64 {
+        let mut b = self.head.bytes();
+        for l in &self.layers {
+            b += l.q.bytes() + l.k.bytes() + l.v.bytes() + l.o.bytes();
+            b += match &l.mlp {
+                Mlp::Dense { gate, up, down } => gate.bytes() + up.bytes() + down.bytes(),
+                Mlp::Moe { router, experts, top_k, .. } => {
+                    let all: u64 = experts.iter().flatten().map(|m| m.bytes()).sum();
+                    router.bytes() + all * *top_k as u64 / experts.len().max(1) as u64
+                }
+            };
+        }
+        b
+    }
+
     /// An empty cache for up to `capacity` tokens (checked against the context).
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache, EngineError> {
         let limit = self.model.config.max_position_embeddings;

@@ -117,6 +117,11 @@ impl<'m> Mat<'m> {
         Matrix::new(self.rows, self.cols, w)
     }
 
+    /// Bytes of weights and scales one pass over the matrix reads.
+    pub fn bytes(&self) -> u64 {
+        self.matrix().map_or(0, |m| m.bytes() as u64)
+    }
+
     /// Whether the weights are borrowed from the file mapping (not copied).
     pub fn in_place(&self) -> bool {
         match &self.data {

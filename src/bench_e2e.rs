@@ -1,0 +1,146 @@
+//! `bespoke bench e2e`: prefill and decode speed of a whole model at 1 thread
+//! and all threads, next to the machine's read bandwidth measured in the same
+//! run, and the fraction of it decode reaches.
+
+use crate::bench::{llc_bytes, read_bandwidth};
+use crate::engine::llama::LlamaModel;
+use crate::kernels::Kernels;
+use crate::model::ModelDir;
+use crate::sample::argmax;
+use serde::Serialize;
+use std::path::Path;
+use std::time::Instant;
+
+pub struct E2eOptions {
+    pub prompt_len: usize,
+    pub gen: usize,
+    pub threads: usize,
+    pub quick: bool,
+    pub chunk: usize,
+}
+
+#[derive(Serialize)]
+pub struct E2eRun {
+    pub threads: usize,
+    pub read_gb_per_s: f64,
+    pub prefill_tok_s: f64,
+    pub ttft_ms: f64,
+    pub decode_tok_s: f64,
+    /// Weight bytes read per decoded token × decode tok/s ÷ read bandwidth.
+    pub decode_bandwidth_fraction: f64,
+}
+
+#[derive(Serialize)]
+pub struct E2eResults {
+    pub model: String,
+    pub family: String,
+    pub kernels: String,
+    pub specialised_matrices: (usize, usize),
+    pub cpu: String,
+    pub llc_bytes: usize,
+    pub weight_bytes: u64,
+    pub bytes_per_decode_token: u64,
+    pub prompt_len: usize,
+    pub gen: usize,
+    pub chunk: usize,
+    pub runs: Vec<E2eRun>,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
+    let m = ModelDir::open(dir).map_err(|e| e.to_string())?;
+    let k = Kernels::from_env().map_err(|e| e.to_string())?.kernels;
+    let eng = LlamaModel::new(&m, k).map_err(|e| e.to_string())?;
+    let vocab = eng.vocab();
+    let ctx = opts.prompt_len + opts.gen;
+    if ctx > m.config.max_position_embeddings {
+        return Err(format!(
+            "--prompt-len {} + --gen {} exceeds the model's context ({})",
+            opts.prompt_len, opts.gen, m.config.max_position_embeddings
+        ));
+    }
+    // A deterministic prompt of ordinary (non-special) ids.
+    let prompt: Vec<u32> = (0..opts.prompt_len).map(|i| (7 + (i * 7919) % (vocab - 7)) as u32).collect();
+    let llc = llc_bytes();
+    let stream_bytes = if opts.quick { 2 * llc } else { (4 * llc).max(256 << 20) };
+    let reps = if opts.quick { 1 } else { 3 };
+    let per_token = eng.bytes_per_token();
+    eprintln!(
+        "{}: {} weights, {} read per decoded token; prompt {} tokens (chunk {}), {} generated; {} repeats",
+        m.dir.display(),
+        crate::inspect::human_bytes(m.weights.data_bytes()),
+        crate::inspect::human_bytes(per_token),
+        opts.prompt_len,
+        opts.chunk,
+        opts.gen,
+        reps
+    );
+    let mut counts = vec![1];
+    if opts.threads > 1 {
+        counts.push(opts.threads);
+    }
+    let mut runs = Vec::new();
+    for &t in &counts {
+        let pool = crate::threads::pool(t);
+        let run = pool.install(|| -> Result<E2eRun, String> {
+            let bw = read_bandwidth(stream_bytes, if opts.quick { 3 } else { 7 });
+            let (mut pre, mut ttft, mut dec) = (Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..reps {
+                let mut cache = eng.new_cache(ctx).map_err(|e| e.to_string())?;
+                let t0 = Instant::now();
+                let logits = eng.prefill(&mut cache, &prompt, opts.chunk, false).map_err(|e| e.to_string())?;
+                let mut next = argmax(&logits[logits.len() - vocab..]);
+                let first = t0.elapsed().as_secs_f64();
+                let t1 = Instant::now();
+                for _ in 1..opts.gen {
+                    let l = eng.forward(&mut cache, &[next], false).map_err(|e| e.to_string())?;
+                    next = argmax(&l);
+                }
+                let d = t1.elapsed().as_secs_f64();
+                pre.push(opts.prompt_len as f64 / first);
+                ttft.push(first * 1e3);
+                if opts.gen > 1 {
+                    dec.push((opts.gen - 1) as f64 / d);
+                }
+            }
+            let decode = if dec.is_empty() { 0.0 } else { median(dec) };
+            let r = E2eRun {
+                threads: t,
+                read_gb_per_s: bw,
+                prefill_tok_s: median(pre),
+                ttft_ms: median(ttft),
+                decode_tok_s: decode,
+                decode_bandwidth_fraction: per_token as f64 * decode / (bw * 1e9),
+            };
+            eprintln!(
+                "threads {:>2}: read {:6.1} GB/s | prefill {:9.1} tok/s, first token {:8.1} ms | decode {:8.1} tok/s = {:5.1} % of read bandwidth",
+                t,
+                r.read_gb_per_s,
+                r.prefill_tok_s,
+                r.ttft_ms,
+                r.decode_tok_s,
+                100.0 * r.decode_bandwidth_fraction
+            );
+            Ok(r)
+        })?;
+        runs.push(run);
+    }
+    Ok(E2eResults {
+        model: m.dir.display().to_string(),
+        family: m.config.family.name().into(),
+        kernels: k.isa().name().into(),
+        specialised_matrices: crate::commands::specialisation(&m, &k),
+        cpu: crate::cpu::cpu_name(),
+        llc_bytes: llc,
+        weight_bytes: m.weights.data_bytes(),
+        bytes_per_decode_token: per_token,
+        prompt_len: opts.prompt_len,
+        gen: opts.gen,
+        chunk: opts.chunk,
+        runs,
+    })
+}
