@@ -242,3 +242,25 @@ fn bench_e2e_quick_writes_json() {
     assert!(v["bytes_per_decode_token"].as_u64().unwrap() > 0);
     std::fs::remove_file(&path).ok();
 }
+
+#[test]
+fn stop_strings_end_generation_and_are_not_printed() {
+    let args = ["run", "--max-new-tokens", "24", "--ignore-eos", "--json"];
+    let (ok, out, err) = run(&args);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let text = v["text"].as_str().unwrap().to_string();
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() > 12, "{text:?}");
+    let stop: String = chars[8..11].iter().collect();
+    let want = &text[..text.find(&stop).unwrap()];
+    let (ok, out, _) = run(&["run", "--max-new-tokens", "24", "--ignore-eos", "--json", "--stop", &stop]);
+    assert!(ok);
+    let s: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(s["text"].as_str().unwrap(), want);
+    assert_eq!(s["stop_reason"], "stop");
+    // Streamed: the prompt, then exactly the text before the stop string.
+    let (ok, out, _) = run(&["run", "--max-new-tokens", "24", "--ignore-eos", "--stop", &stop]);
+    assert!(ok);
+    assert_eq!(out, format!("The old lighthouse{want}\n"));
+}
