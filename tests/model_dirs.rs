@@ -193,15 +193,8 @@ fn views_point_into_the_mapping() {
         assert!(t.is_aligned(), "{name}: 8-aligned data section, 2-byte elements");
         let v = t.u16s().unwrap();
         assert!(matches!(v, std::borrow::Cow::Borrowed(_)), "{name}: aligned BF16 must be borrowed, not copied");
-        assert!(m.weights.is_mapped(bytemuck_bytes(&v)));
+        assert!(m.weights.is_mapped(bytemuck::cast_slice::<u16, u8>(&v)));
     }
-}
-
-fn bytemuck_bytes(v: &[u16]) -> &[u8] {
-    // Reinterpret for the pointer check only.
-    let len = std::mem::size_of_val(v);
-    // SAFETY: u16 has no padding and any u8 view of its bytes is valid.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), len) }
 }
 
 #[test]
