@@ -101,22 +101,55 @@ fn engine<'m>(m: &'m ModelDir, k: Kernels) -> Result<LlamaModel<'m>, String> {
     }
 }
 
+#[derive(clap::Args, Debug)]
 pub struct RunArgs {
+    /// The model directory (default: the bundled fixtures/tiny-llama).
+    #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
+    /// Prompt text (tokenized with the model's tokenizer, BOS added as the tokenizer does).
+    #[arg(long, value_name = "TEXT", conflicts_with = "prompt_ids")]
     pub prompt: Option<String>,
+    /// The prompt as token ids, e.g. 1,415,2087.
+    #[arg(long, value_name = "IDS")]
     pub prompt_ids: Option<String>,
+    /// Wrap the prompt in the model's chat template (as a user message, with the assistant turn opened).
+    #[arg(long)]
     pub chat: bool,
+    /// With --chat: a system message before the prompt.
+    #[arg(long, value_name = "TEXT", requires = "chat")]
     pub system: Option<String>,
+    /// Stop after this many new tokens (default: generation_config.json's max_new_tokens, else 64).
+    #[arg(long, value_name = "N")]
     pub max_new_tokens: Option<usize>,
+    /// Always take the most likely token (overrides generation_config.json).
+    #[arg(long, conflicts_with_all = ["temperature", "top_k", "top_p"])]
     pub greedy: bool,
+    /// Sample at this temperature (0 = greedy).
+    #[arg(long, value_name = "T")]
     pub temperature: Option<f32>,
+    /// Sample among the K most likely tokens (0 = all).
+    #[arg(long, value_name = "K")]
     pub top_k: Option<usize>,
+    /// Sample from the smallest set of tokens whose probability reaches P (1 = all).
+    #[arg(long, value_name = "P")]
     pub top_p: Option<f32>,
+    /// Penalise tokens already in the sequence (1 = off; transformers' rule).
+    #[arg(long, value_name = "R")]
     pub repetition_penalty: Option<f32>,
+    /// Seed of the sampler (same seed, same output).
+    #[arg(long, value_name = "S")]
     pub seed: Option<u64>,
+    /// Stop when the text contains this string (may be repeated; the string is not printed).
+    #[arg(long, value_name = "TEXT")]
     pub stop: Vec<String>,
+    /// Keep going past the end-of-sequence token.
+    #[arg(long)]
     pub ignore_eos: bool,
+    /// Prompt tokens per prefill step (small-batch matmul width).
+    #[arg(long, value_name = "N", default_value_t = 64)]
     pub chunk: usize,
+    /// Print one JSON object on stdout: prompt_ids, new_ids, text, stop_reason, kernels, timings.
+    #[arg(long)]
     pub json: bool,
 }
 
@@ -238,13 +271,26 @@ pub fn run(a: RunArgs) -> Result<(), String> {
     Ok(())
 }
 
+#[derive(clap::Args, Debug)]
 pub struct ScoreArgs {
+    /// The model directory (default: the bundled fixtures/tiny-llama).
+    #[arg(long, value_name = "DIR")]
     pub model: Option<PathBuf>,
+    /// The sequence as token ids, e.g. 1,415,2087.
+    #[arg(long, value_name = "IDS", conflicts_with = "text")]
     pub ids: Option<String>,
+    /// The sequence as text (tokenized with the model's tokenizer).
+    #[arg(long, value_name = "TEXT")]
     pub text: Option<String>,
-    pub json: bool,
-    pub logits_last: bool,
+    /// Also print logits: `last` = the last position's.
+    #[arg(long, value_name = "WHICH", value_parser = ["last"])]
+    pub logits: Option<String>,
+    /// Prompt tokens per prefill step.
+    #[arg(long, value_name = "N", default_value_t = 64)]
     pub chunk: usize,
+    /// Print {"ids", "argmax", "last_logits"?} as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 pub fn score(a: ScoreArgs) -> Result<(), String> {
@@ -274,7 +320,7 @@ pub fn score(a: ScoreArgs) -> Result<(), String> {
     let last = &logits[logits.len() - vocab..];
     if a.json {
         let mut v = json!({"ids": ids, "argmax": am, "kernels": k.isa().name()});
-        if a.logits_last {
+        if a.logits.is_some() {
             v["last_logits"] = json!(last);
         }
         println!("{v}");
@@ -285,7 +331,7 @@ pub fn score(a: ScoreArgs) -> Result<(), String> {
     for (i, (&t, &p)) in ids.iter().zip(&am).enumerate() {
         println!("{i:>5} {t:>7} {:<16} {p:>7} {}", show(t), show(p));
     }
-    if a.logits_last {
+    if a.logits.is_some() {
         let s: Vec<String> = last.iter().map(|v| format!("{v}")).collect();
         println!("last logits: [{}]", s.join(", "));
     }

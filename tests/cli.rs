@@ -116,7 +116,7 @@ fn help_explains_the_commands() {
 
 #[test]
 fn inspect_every_fixture() {
-    for name in ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-dsv4", "tiny-dsv4-hf"] {
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-dsv4", "tiny-dsv4-hf"] {
         let dir = format!("fixtures/{name}");
         let (ok, out, err) = run(&["inspect", "--model", &dir]);
         assert!(ok, "inspect {dir} failed: {err}");

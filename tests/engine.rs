@@ -78,6 +78,12 @@ fn tiny_llama_matches_transformers() {
 }
 
 #[test]
+fn tiny_qwen2_matches_transformers() {
+    // q/k/v biases and YaRN RoPE scaling.
+    check_model("tiny-qwen2");
+}
+
+#[test]
 fn tiny_qwen3_matches_transformers() {
     check_model("tiny-qwen3");
 }

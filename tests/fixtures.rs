@@ -9,7 +9,7 @@ use bespoke::tokenizer::ChatMessage;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-const MODELS: &[&str] = &["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-dsv4", "tiny-dsv4-hf"];
+const MODELS: &[&str] = &["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-dsv4", "tiny-dsv4-hf"];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)
@@ -35,6 +35,7 @@ fn every_fixture_loads_and_validates() {
         assert!(m.tokenizer.is_some(), "{name}: tokenizer.json");
         let families = [
             ("tiny-llama", "llama"),
+            ("tiny-qwen2", "llama"),
             ("tiny-qwen3", "qwen3"),
             ("tiny-qwen3-moe", "qwen3_moe"),
             ("tiny-dsv4", "deepseek_v4"),

@@ -719,6 +719,45 @@ QWEN3_CONFIG = {
     "torch_dtype": "bfloat16",
 }
 
+# Qwen2 (Qwen2.5 style): q/k/v projections with biases, o_proj without, no
+# q/k norm, head_dim = hidden / heads (Qwen2 configs carry no head_dim). RoPE
+# scaling in the legacy `rope_scaling` form Qwen2.5 checkpoints ship
+# ("type": "yarn", top-level rope_theta); transformers 5.23 turns it into
+# rope_parameters {rope_type: yarn, factor 2, original_max_position_embeddings
+# 128, rope_theta 1e6} (recorded in ref.json's transformers_config).
+QWEN2_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "hidden_act": "silu",
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128},
+    "attention_dropout": 0.0,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "max_window_layers": 2,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}
+
+# Qwen2 attention biases, in units of the typical projection output (a unit
+# RMS input through a 1/sqrt(in) weight gives outputs of about 1): large enough
+# that dropping any one of them changes most tokens. The v bias is smaller: it
+# passes the softmax unchanged, so through o_proj (OUT_GAIN) it adds one
+# constant vector to every position, and at std 1 that vector dominated the
+# residual and greedy decoding collapsed onto one token.
+QWEN2_BIAS_STD = {"q": 1.0, "k": 1.5, "v": 0.3}
+
 QWEN3_MOE_CONFIG = {
     "architectures": ["Qwen3MoeForCausalLM"],
     "model_type": "qwen3_moe",
@@ -766,9 +805,10 @@ def dense_weights(cfg, rand):
     """HF-named float32 tensors (already rounded through BF16) for llama/qwen3/
     qwen3_moe; MoE experts per expert, the way the real checkpoints ship them."""
     D, V = cfg["hidden_size"], cfg["vocab_size"]
-    hd = cfg["head_dim"]
     H, KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim", D // H)
     qk_norm = cfg["model_type"] in ("qwen3", "qwen3_moe")
+    qkv_bias = cfg["model_type"] == "qwen2"
     t = {"model.embed_tokens.weight": rand.normal("embed", (V, D))}
     if not cfg["tie_word_embeddings"]:
         t["lm_head.weight"] = rand.normal("head", (V, D))
@@ -782,6 +822,9 @@ def dense_weights(cfg, rand):
         t[a + "k_proj.weight"] = rand.linear(a + "k", KV * hd, D, 1.5)
         t[a + "v_proj.weight"] = rand.linear(a + "v", KV * hd, D)
         t[a + "o_proj.weight"] = rand.linear(a + "o", D, H * hd, OUT_GAIN)
+        if qkv_bias:
+            for x, n in (("q", H * hd), ("k", KV * hd), ("v", KV * hd)):
+                t[a + f"{x}_proj.bias"] = rand.normal(a + x + "b", (n,), QWEN2_BIAS_STD[x])
         if qk_norm:
             t[a + "q_norm.weight"] = rand.norm(a + "qn", hd)
             t[a + "k_norm.weight"] = rand.norm(a + "kn", hd, 1.5)
@@ -849,10 +892,24 @@ def make_dense(name, cfg, seed, add_bos, out_dir, base_tok):
     ref = run_reference(model, prompts, "qwen3_moe" if cfg["model_type"] == "qwen3_moe" else None)
     reloaded = load_pretrained(AutoModelForCausalLM, d)
     assert_same_logits(name, model, reloaded, prompts)
-    doc = finish_ref(name, ref, seed, add_bos, {"checks": {
+    extra = {"checks": {
         "from_pretrained_identical_logits": True,
         "weights": "random, BF16 on disk; the reference runs the BF16 values in float32",
-    }})
+    }}
+    if cfg.get("rope_scaling"):
+        # What transformers derived from the scaling entry, so an engine's RoPE
+        # can be compared before the tokens are.
+        rot = model.model.rotary_emb
+        if rot.rope_type == "default":
+            raise SystemExit(f"{name}: transformers ignored rope_scaling {cfg['rope_scaling']}")
+        extra["transformers_config"] = {
+            "rope_type": rot.rope_type,
+            "rope_parameters": dict(model.config.rope_parameters),
+            "head_dim": rot.inv_freq.shape[0] * 2,
+            "rope_inv_freq": rot.inv_freq.tolist(),
+            "rope_attention_scaling": float(rot.attention_scaling),
+        }
+    doc = finish_ref(name, ref, seed, add_bos, extra)
     write_json(os.path.join(d, "ref.json"), doc)
     return doc
 
@@ -1311,6 +1368,7 @@ def tokenizer_cases(out_dir, base_tok):
 FIXTURES = {
     "tiny-llama": lambda out, tok: make_dense("tiny-llama", LLAMA_CONFIG, 6, True, out, tok),
     "tiny-qwen3": lambda out, tok: make_dense("tiny-qwen3", QWEN3_CONFIG, 1, False, out, tok),
+    "tiny-qwen2": lambda out, tok: make_dense("tiny-qwen2", QWEN2_CONFIG, 3, False, out, tok),
     "tiny-qwen3-moe": lambda out, tok: make_dense("tiny-qwen3-moe", QWEN3_MOE_CONFIG, 33, False, out, tok),
     "tiny-dsv4": lambda out, tok: make_dsv4("tiny-dsv4", out, tok, 52, True),
     "tiny-dsv4-hf": lambda out, tok: make_dsv4("tiny-dsv4-hf", out, tok, 71, False),

@@ -49,83 +49,21 @@ enum Command {
     /// sets do_sample (then its temperature / top-k / top-p) or a sampling
     /// flag is given here.
     Run {
-        /// The model directory (default: the bundled fixtures/tiny-llama).
-        #[arg(long, value_name = "DIR")]
-        model: Option<PathBuf>,
-        /// Prompt text (tokenized with the model's tokenizer, BOS added as the tokenizer does).
-        #[arg(long, value_name = "TEXT", conflicts_with = "prompt_ids")]
-        prompt: Option<String>,
-        /// The prompt as token ids, e.g. 1,415,2087.
-        #[arg(long, value_name = "IDS")]
-        prompt_ids: Option<String>,
-        /// Wrap the prompt in the model's chat template (as a user message, with the assistant turn opened).
-        #[arg(long)]
-        chat: bool,
-        /// With --chat: a system message before the prompt.
-        #[arg(long, value_name = "TEXT", requires = "chat")]
-        system: Option<String>,
-        /// Stop after this many new tokens (default: generation_config.json's max_new_tokens, else 64).
-        #[arg(long, value_name = "N")]
-        max_new_tokens: Option<usize>,
-        /// Always take the most likely token (overrides generation_config.json).
-        #[arg(long, conflicts_with_all = ["temperature", "top_k", "top_p"])]
-        greedy: bool,
-        /// Sample at this temperature (0 = greedy).
-        #[arg(long, value_name = "T")]
-        temperature: Option<f32>,
-        /// Sample among the K most likely tokens (0 = all).
-        #[arg(long, value_name = "K")]
-        top_k: Option<usize>,
-        /// Sample from the smallest set of tokens whose probability reaches P (1 = all).
-        #[arg(long, value_name = "P")]
-        top_p: Option<f32>,
-        /// Penalise tokens already in the sequence (1 = off; transformers' rule).
-        #[arg(long, value_name = "R")]
-        repetition_penalty: Option<f32>,
-        /// Seed of the sampler (same seed, same output).
-        #[arg(long, value_name = "S")]
-        seed: Option<u64>,
-        /// Stop when the text contains this string (may be repeated; the string is not printed).
-        #[arg(long, value_name = "TEXT")]
-        stop: Vec<String>,
-        /// Keep going past the end-of-sequence token.
-        #[arg(long)]
-        ignore_eos: bool,
-        /// Prompt tokens per prefill step (small-batch matmul width).
-        #[arg(long, value_name = "N", default_value_t = 64)]
-        chunk: usize,
+        #[command(flatten)]
+        args: bespoke::commands::RunArgs,
         /// Worker threads (default: BESPOKE_THREADS, else physical cores).
         #[arg(long, value_name = "N")]
         threads: Option<usize>,
-        /// Print one JSON object on stdout: prompt_ids, new_ids, text, stop_reason, kernels, timings.
-        #[arg(long)]
-        json: bool,
     },
     /// Run one full forward over a sequence and print the argmax (the
     /// predicted next token) at every position — the teacher-forcing check
     /// against a reference implementation.
     Score {
-        /// The model directory (default: the bundled fixtures/tiny-llama).
-        #[arg(long, value_name = "DIR")]
-        model: Option<PathBuf>,
-        /// The sequence as token ids, e.g. 1,415,2087.
-        #[arg(long, value_name = "IDS", conflicts_with = "text")]
-        ids: Option<String>,
-        /// The sequence as text (tokenized with the model's tokenizer).
-        #[arg(long, value_name = "TEXT")]
-        text: Option<String>,
-        /// Also print logits: `last` = the last position's.
-        #[arg(long, value_name = "WHICH", value_parser = ["last"])]
-        logits: Option<String>,
-        /// Prompt tokens per prefill step.
-        #[arg(long, value_name = "N", default_value_t = 64)]
-        chunk: usize,
+        #[command(flatten)]
+        args: bespoke::commands::ScoreArgs,
         /// Worker threads (default: BESPOKE_THREADS, else physical cores).
         #[arg(long, value_name = "N")]
         threads: Option<usize>,
-        /// Print {"ids", "argmax", "last_logits"?} as JSON.
-        #[arg(long)]
-        json: bool,
     },
     /// Validate a model directory and summarise it: family and key config
     /// values, every tensor (name, dtype, shape, how bespoke reads it), bytes
@@ -246,55 +184,13 @@ fn run(cli: Cli) -> Result<(), String> {
             }
             Ok(())
         }
-        Command::Run {
-            model,
-            prompt,
-            prompt_ids,
-            chat,
-            system,
-            max_new_tokens,
-            greedy,
-            temperature,
-            top_k,
-            top_p,
-            repetition_penalty,
-            seed,
-            stop,
-            ignore_eos,
-            chunk,
-            threads: t,
-            json,
-        } => {
+        Command::Run { args, threads: t } => {
             threads::init(threads::resolve(t)?);
-            bespoke::commands::run(bespoke::commands::RunArgs {
-                model,
-                prompt,
-                prompt_ids,
-                chat,
-                system,
-                max_new_tokens,
-                greedy,
-                temperature,
-                top_k,
-                top_p,
-                repetition_penalty,
-                seed,
-                stop,
-                ignore_eos,
-                chunk,
-                json,
-            })
+            bespoke::commands::run(args)
         }
-        Command::Score { model, ids, text, logits, chunk, threads: t, json } => {
+        Command::Score { args, threads: t } => {
             threads::init(threads::resolve(t)?);
-            bespoke::commands::score(bespoke::commands::ScoreArgs {
-                model,
-                ids,
-                text,
-                json,
-                logits_last: logits.is_some(),
-                chunk,
-            })
+            bespoke::commands::score(args)
         }
         Command::Inspect { model, brief, json } => {
             let m = bespoke::model::ModelDir::open(&model).map_err(|e| e.to_string())?;
