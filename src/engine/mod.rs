@@ -2,6 +2,7 @@
 //! attention work goes through [`Kernels`]; the glue (norms, RoPE, routing)
 //! is plain Rust in f32. Weights are read in place from the model's mapping.
 
+pub mod dsv4;
 pub mod llama;
 
 use crate::kernels::{KernelError, Kernels, Matrix, Weights};
@@ -105,6 +106,49 @@ impl<'m> Mat<'m> {
         let mat = Mat { name: format!("{name}[{e}][{row0}..{}]", row0 + rows), rows, cols, data };
         mat.matrix()?;
         Ok(mat)
+    }
+
+    /// Rows `row0..row0+rows` of the matrix `name` as a matrix of their own,
+    /// still read in place. F32, BF16 and FP4 (one scale row per weight row)
+    /// cut anywhere; FP8 only where the cut starts on a 128-row scale block
+    /// boundary (`Ok(None)` otherwise: the caller keeps the whole matrix).
+    pub fn load_rows(m: &'m ModelDir, name: &str, row0: usize, rows: usize) -> Result<Option<Mat<'m>>, EngineError> {
+        let full = Mat::load(m, name)?;
+        if rows == 0 || row0 + rows > full.rows {
+            return Err(EngineError::Unsupported(format!(
+                "{name:?}: rows {row0}..{} are outside its {} rows",
+                row0 + rows,
+                full.rows
+            )));
+        }
+        let c = full.cols;
+        let (a, b) = (row0 * c, (row0 + rows) * c);
+        let data = match full.data {
+            MatData::F32(v) => MatData::F32(match v {
+                Cow::Borrowed(s) => Cow::Borrowed(&s[a..b]),
+                Cow::Owned(v) => Cow::Owned(v[a..b].to_vec()),
+            }),
+            MatData::Bf16(v) => MatData::Bf16(match v {
+                Cow::Borrowed(s) => Cow::Borrowed(&s[a..b]),
+                Cow::Owned(v) => Cow::Owned(v[a..b].to_vec()),
+            }),
+            MatData::Fp4 { w, scale } => {
+                let sc = c / 32;
+                MatData::Fp4 { w: &w[a / 2..b / 2], scale: &scale[row0 * sc..(row0 + rows) * sc] }
+            }
+            MatData::Fp8 { w, scale } => {
+                const BLOCK: usize = 128;
+                if row0 % BLOCK != 0 {
+                    return Ok(None);
+                }
+                let sc = c.div_ceil(BLOCK);
+                let s0 = row0 / BLOCK;
+                MatData::Fp8 { w: &w[a..b], scale: &scale[s0 * sc..(s0 + rows.div_ceil(BLOCK)) * sc] }
+            }
+        };
+        let mat = Mat { name: format!("{name}[{row0}..{}]", row0 + rows), rows, cols: c, data };
+        mat.matrix()?;
+        Ok(Some(mat))
     }
 
     pub fn matrix(&self) -> Result<Matrix<'_>, KernelError> {
