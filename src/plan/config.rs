@@ -664,7 +664,7 @@ fn parse_dsv4(f: &Fields, model_type: &str) -> Result<ModelConfig, ConfigError> 
         max_position_embeddings: c.max_pos,
         rms_norm_eps: c.eps,
         rope_theta: c.rope_theta,
-        rope_scaling: rope_scaling(f, c.max_pos)?,
+        rope_scaling: dsv4_rope_scaling(f, c.max_pos)?,
         bos_token_id: c.bos,
         eos_token_ids: c.eos.clone(),
         tie_word_embeddings: c.tie,
@@ -702,6 +702,25 @@ fn parse_dsv4(f: &Fields, model_type: &str) -> Result<ModelConfig, ConfigError> 
             fp4_experts: quantized && fp4_experts,
         }),
     })
+}
+
+/// The compress rope's scaling. transformers builds the "compress" table
+/// from a legacy (or flat) `rope_scaling` and then defaults YaRN's
+/// `attention_factor` to 1.0 (the V4 reference does not scale cos/sin by
+/// YaRN's mscale); an already nested `rope_parameters.compress` is taken as
+/// written.
+fn dsv4_rope_scaling(f: &Fields, max_pos: usize) -> Result<RopeScaling, ConfigError> {
+    let mut s = rope_scaling(f, max_pos)?;
+    let nested = match f.nested("rope_parameters")? {
+        Some(rp) => rp.nested("main")?.is_some() && rp.nested("compress")?.is_some(),
+        None => false,
+    };
+    if let RopeScaling::Yarn { attention_factor: a @ None, .. } = &mut s {
+        if !nested {
+            *a = Some(1.0);
+        }
+    }
+    Ok(s)
 }
 
 /// The compressed-sparse-attention rate (`compress_rates` in transformers 5;

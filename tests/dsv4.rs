@@ -1,0 +1,141 @@
+//! The DeepSeek V4 engine against transformers (fixtures' ref.json), in both
+//! storage formats (release names with FP8 / FP4, and transformers' own
+//! names unquantized): teacher-forcing argmax at every position, 24 greedy
+//! tokens decoded through the cache, the last logits of the short prompt,
+//! and cached decoding equal to a full recompute, for every kernel variant
+//! this CPU runs.
+
+use bespoke::engine::dsv4::Dsv4Model;
+use bespoke::kernels::{Kernels, COMPILED_ISAS};
+use bespoke::model::ModelDir;
+use bespoke::sample::argmax;
+use serde_json::Value;
+use std::path::Path;
+
+fn fixture(name: &str) -> (ModelDir, Value) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name);
+    let m = ModelDir::open(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("ref.json")).unwrap()).unwrap();
+    (m, r)
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// Every compiled variant this CPU can run.
+fn variants() -> Vec<Kernels> {
+    COMPILED_ISAS.iter().filter_map(|&isa| Kernels::with_isa(isa).ok()).collect()
+}
+
+fn argmaxes(logits: &[f32], vocab: usize) -> Vec<u32> {
+    logits.chunks_exact(vocab).map(argmax).collect()
+}
+
+fn check_model(name: &str) {
+    let (m, r) = fixture(name);
+    let n_new = r["greedy_new_tokens"].as_u64().unwrap() as usize;
+    let ks = variants();
+    assert!(!ks.is_empty(), "no kernel variant runs on this CPU");
+    for k in ks {
+        let eng = Dsv4Model::new(&m, k).unwrap();
+        assert!(eng.weights_in_place(), "{name}: weights must be read from the mapping");
+        let vocab = eng.vocab();
+        for (pi, p) in r["prompts"].as_array().unwrap().iter().enumerate() {
+            let what = format!("{name} / {} / {}", k.isa(), p["name"]);
+            let prompt = ids(&p["ids"]);
+            let mut cache = eng.new_cache(prompt.len() + n_new).unwrap();
+            // Teacher forcing, prefill in 64-token chunks (the long prompt crosses one).
+            let logits = eng.prefill(&mut cache, &prompt, 64, true).unwrap();
+            assert_eq!(argmaxes(&logits, vocab), ids(&p["argmax"]), "{what}: teacher-forcing argmax");
+            if pi == 0 {
+                let want: Vec<f32> = r["last_logits"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+                let got = &logits[logits.len() - vocab..];
+                let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+                assert!(diff < 2e-3, "{what}: last logits differ from transformers by {diff}");
+            }
+            // Greedy decode through the cache, one token per forward.
+            let mut next = argmax(&logits[logits.len() - vocab..]);
+            let mut out = vec![next];
+            let mut last = Vec::new();
+            while out.len() < n_new {
+                last = eng.forward(&mut cache, &[next], false).unwrap();
+                next = argmax(&last);
+                out.push(next);
+            }
+            assert_eq!(out, ids(&p["greedy"]), "{what}: greedy tokens");
+            // The cached decode's last logits equal a full recompute, bit for
+            // bit, with the prefill in odd-sized chunks (windows, compressor
+            // windows and chunk edges all fall differently).
+            let mut all = prompt.clone();
+            all.extend_from_slice(&out[..n_new - 1]);
+            let mut fresh = eng.new_cache(all.len()).unwrap();
+            let full = eng.prefill(&mut fresh, &all, 7, false).unwrap();
+            assert_eq!(full, last, "{what}: cached decode differs from a full recompute");
+        }
+    }
+}
+
+#[test]
+fn tiny_dsv4_release_matches_transformers() {
+    check_model("tiny-dsv4");
+}
+
+#[test]
+fn tiny_dsv4_hf_matches_transformers() {
+    check_model("tiny-dsv4-hf");
+}
+
+#[test]
+fn context_and_token_errors() {
+    let (m, _) = fixture("tiny-dsv4");
+    let eng = Dsv4Model::new(&m, Kernels::best()).unwrap();
+    let limit = m.config.max_position_embeddings;
+    let e = eng.new_cache(limit + 1).err().unwrap().to_string();
+    assert!(e.contains(&format!("{}", limit + 1)) && e.contains("max_position_embeddings"), "{e}");
+    let mut c = eng.new_cache(4).unwrap();
+    let e = eng.forward(&mut c, &[1, 2, 3, 4, 5], false).unwrap_err().to_string();
+    assert!(e.contains("5 tokens"), "{e}");
+    let e = eng.forward(&mut c, &[9999], false).unwrap_err().to_string();
+    assert!(e.contains("9999") && e.contains("vocab"), "{e}");
+    // Nothing was appended by the refused calls.
+    assert_eq!(c.len, 0);
+    assert!(eng.forward(&mut c, &[], false).unwrap().is_empty());
+}
+
+/// The llama engine refuses a DeepSeek V4 directory and this one refuses the others.
+#[test]
+fn wrong_family_is_refused() {
+    let (m, _) = fixture("tiny-llama");
+    let e = Dsv4Model::new(&m, Kernels::best()).err().unwrap().to_string();
+    assert!(e.contains("deepseek_v4"), "{e}");
+}
+
+/// The rope tables transformers derived for both fixtures (ref.json's
+/// `transformers_config`): the sliding layers' plain rope and the compressed
+/// layers' YaRN rope, whose attention factor transformers pins to 1.0 when
+/// the YaRN parameters come from the legacy `rope_scaling` key.
+#[test]
+fn rope_tables_match_transformers() {
+    use bespoke::engine::Rope;
+    use bespoke::plan::config::RopeScaling;
+    for name in ["tiny-dsv4", "tiny-dsv4-hf"] {
+        let (m, r) = fixture(name);
+        let c = &m.config;
+        let v = c.dsv4.as_ref().unwrap();
+        let tc = &r["transformers_config"];
+        let tables = [
+            ("main", Rope::new(v.qk_rope_head_dim, c.rope_theta, &RopeScaling::None, c.max_position_embeddings)),
+            ("compress", Rope::new(v.qk_rope_head_dim, v.compress_rope_theta, &c.rope_scaling, c.max_position_embeddings)),
+        ];
+        for (kind, rope) in tables {
+            let want: Vec<f64> = tc["rope_inv_freq"][kind].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+            assert_eq!(rope.inv_freq.len(), want.len(), "{name} {kind}");
+            for (i, (&got, &w)) in rope.inv_freq.iter().zip(&want).enumerate() {
+                assert!(((got as f64 - w) / w).abs() < 2e-6, "{name} {kind}: inv_freq[{i}] = {got}, transformers {w}");
+            }
+            let s = tc["rope_attention_scaling"][kind].as_f64().unwrap();
+            assert_eq!(rope.attention_scaling as f64, s, "{name} {kind}: attention scaling");
+        }
+    }
+}
