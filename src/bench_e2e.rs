@@ -3,7 +3,7 @@
 //! run, and the fraction of it decode reaches.
 
 use crate::bench::{llc_bytes, read_bandwidth};
-use crate::engine::llama::LlamaModel;
+use crate::generate::{AnyModel, CausalLm};
 use crate::kernels::Kernels;
 use crate::model::ModelDir;
 use crate::sample::argmax;
@@ -27,7 +27,8 @@ pub struct E2eRun {
     pub ttft_ms: f64,
     pub decode_tok_s: f64,
     /// Weight bytes read per decoded token × decode tok/s ÷ read bandwidth.
-    pub decode_bandwidth_fraction: f64,
+    /// None when the engine cannot say how many bytes a token reads.
+    pub decode_bandwidth_fraction: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -39,7 +40,7 @@ pub struct E2eResults {
     pub cpu: String,
     pub llc_bytes: usize,
     pub weight_bytes: u64,
-    pub bytes_per_decode_token: u64,
+    pub bytes_per_decode_token: Option<u64>,
     pub prompt_len: usize,
     pub gen: usize,
     pub chunk: usize,
@@ -54,7 +55,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
     let m = ModelDir::open(dir).map_err(|e| e.to_string())?;
     let k = Kernels::from_env().map_err(|e| e.to_string())?.kernels;
-    let eng = LlamaModel::new(&m, k).map_err(|e| e.to_string())?;
+    let eng = AnyModel::load(&m, k).map_err(|e| e.to_string())?;
     let vocab = eng.vocab();
     let ctx = opts.prompt_len + opts.gen;
     if ctx > m.config.max_position_embeddings {
@@ -73,7 +74,7 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
         "{}: {} weights, {} read per decoded token; prompt {} tokens (chunk {}), {} generated; {} repeats",
         m.dir.display(),
         crate::inspect::human_bytes(m.weights.data_bytes()),
-        crate::inspect::human_bytes(per_token),
+        per_token.map_or("(not known for this engine)".into(), crate::inspect::human_bytes),
         opts.prompt_len,
         opts.chunk,
         opts.gen,
@@ -97,7 +98,7 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
                 let first = t0.elapsed().as_secs_f64();
                 let t1 = Instant::now();
                 for _ in 1..opts.gen {
-                    let l = eng.forward(&mut cache, &[next], false).map_err(|e| e.to_string())?;
+                    let l = eng.prefill(&mut cache, &[next], 1, false).map_err(|e| e.to_string())?;
                     next = argmax(&l);
                 }
                 let d = t1.elapsed().as_secs_f64();
@@ -114,16 +115,16 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
                 prefill_tok_s: median(pre),
                 ttft_ms: median(ttft),
                 decode_tok_s: decode,
-                decode_bandwidth_fraction: per_token as f64 * decode / (bw * 1e9),
+                decode_bandwidth_fraction: per_token.map(|b| b as f64 * decode / (bw * 1e9)),
             };
             eprintln!(
-                "threads {:>2}: read {:6.1} GB/s | prefill {:9.1} tok/s, first token {:8.1} ms | decode {:8.1} tok/s = {:5.1} % of read bandwidth",
+                "threads {:>2}: read {:6.1} GB/s | prefill {:9.1} tok/s, first token {:8.1} ms | decode {:8.1} tok/s = {} of read bandwidth",
                 t,
                 r.read_gb_per_s,
                 r.prefill_tok_s,
                 r.ttft_ms,
                 r.decode_tok_s,
-                100.0 * r.decode_bandwidth_fraction
+                r.decode_bandwidth_fraction.map_or("n/a".to_string(), |f| format!("{:5.1} %", 100.0 * f))
             );
             Ok(r)
         })?;

@@ -1,12 +1,12 @@
 //! `bespoke run` and `bespoke score`: load, report, generate / score.
 
-use crate::engine::llama::{KvCache, LlamaModel};
-use crate::generate::{self, GenOptions, Generation};
+use crate::engine::llama::KvCache;
+use crate::generate::{self, AnyModel, CausalLm, GenOptions, Generation};
 use crate::inspect::human_bytes;
 use crate::kernels::Kernels;
 use crate::model::layout::Kind;
 use crate::model::ModelDir;
-use crate::plan::{Family, Format};
+use crate::plan::Format;
 use crate::sample::{argmax, SamplingParams};
 use crate::tokenizer::ChatMessage;
 use serde_json::json;
@@ -94,11 +94,8 @@ fn banner(m: &ModelDir, k: &Kernels, reason: &str, ctx: usize) {
     eprintln!("kernels: {} — {reason}; {note}", k.isa());
 }
 
-fn engine<'m>(m: &'m ModelDir, k: Kernels) -> Result<LlamaModel<'m>, String> {
-    match m.config.family {
-        Family::DeepseekV4 => Err("the deepseek_v4 engine is not in this version yet (bespoke inspect validates such checkpoints)".into()),
-        _ => LlamaModel::new(m, k).map_err(|e| e.to_string()),
-    }
+fn engine<'m>(m: &'m ModelDir, k: Kernels) -> Result<AnyModel<'m>, String> {
+    AnyModel::load(m, k).map_err(|e| e.to_string())
 }
 
 #[derive(clap::Args, Debug)]

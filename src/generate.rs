@@ -31,6 +31,58 @@ impl<'m> CausalLm for crate::engine::llama::LlamaModel<'m> {
     }
 }
 
+/// Any engine, chosen by the model's family.
+pub enum AnyModel<'m> {
+    Llama(crate::engine::llama::LlamaModel<'m>),
+    Dsv4(crate::engine::dsv4::Dsv4Model<'m>),
+}
+
+pub enum AnyCache {
+    Llama(crate::engine::llama::KvCache),
+    Dsv4(crate::engine::dsv4::Dsv4Cache),
+}
+
+impl<'m> AnyModel<'m> {
+    /// The engine for `model`'s family.
+    pub fn load(model: &'m ModelDir, kernels: crate::kernels::Kernels) -> Result<AnyModel<'m>, EngineError> {
+        Ok(match model.config.family {
+            crate::plan::Family::DeepseekV4 => AnyModel::Dsv4(crate::engine::dsv4::Dsv4Model::new(model, kernels)?),
+            _ => AnyModel::Llama(crate::engine::llama::LlamaModel::new(model, kernels)?),
+        })
+    }
+
+    /// Weight bytes one decoded token reads, where the engine can say.
+    pub fn bytes_per_token(&self) -> Option<u64> {
+        match self {
+            AnyModel::Llama(m) => Some(m.bytes_per_token()),
+            AnyModel::Dsv4(_) => None,
+        }
+    }
+}
+
+impl CausalLm for AnyModel<'_> {
+    type Cache = AnyCache;
+    fn vocab(&self) -> usize {
+        match self {
+            AnyModel::Llama(m) => CausalLm::vocab(m),
+            AnyModel::Dsv4(m) => CausalLm::vocab(m),
+        }
+    }
+    fn new_cache(&self, capacity: usize) -> Result<AnyCache, EngineError> {
+        Ok(match self {
+            AnyModel::Llama(m) => AnyCache::Llama(CausalLm::new_cache(m, capacity)?),
+            AnyModel::Dsv4(m) => AnyCache::Dsv4(CausalLm::new_cache(m, capacity)?),
+        })
+    }
+    fn prefill(&self, cache: &mut AnyCache, tokens: &[u32], chunk: usize, all_logits: bool) -> Result<Vec<f32>, EngineError> {
+        match (self, cache) {
+            (AnyModel::Llama(m), AnyCache::Llama(c)) => CausalLm::prefill(m, c, tokens, chunk, all_logits),
+            (AnyModel::Dsv4(m), AnyCache::Dsv4(c)) => CausalLm::prefill(m, c, tokens, chunk, all_logits),
+            _ => Err(EngineError::Unsupported("a cache made by another engine".into())),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct GenOptions {
     pub max_new_tokens: usize,
