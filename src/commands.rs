@@ -47,8 +47,14 @@ pub fn summary(m: &ModelDir, ctx: usize) -> String {
     let c = &m.config;
     let by: Vec<String> = m.bytes_by_format().iter().map(|(k, b)| format!("{k} {}", human_bytes(*b))).collect();
     let kv = KvCache::bytes_for(c.num_layers, c.num_kv_heads * c.head_dim, ctx);
+    let unused = m.unused();
+    let skipped = match unused.iter().filter(|n| n.starts_with("mtp.")).count() {
+        0 if unused.is_empty() => String::new(),
+        0 => format!("; {} unused tensors ignored", unused.len()),
+        mtp => format!("; MTP block skipped ({mtp} tensors, not run)"),
+    };
     format!(
-        "{}: {}, {:.2}M params, weights {}, KV cache {} for {ctx} tokens",
+        "{}: {}, {:.2}M params, weights {}, KV cache {} for {ctx} tokens{skipped}",
         m.dir.display(),
         c.family.name(),
         m.parameters() as f64 / 1e6,

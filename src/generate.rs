@@ -55,7 +55,7 @@ impl<'m> AnyModel<'m> {
     pub fn bytes_per_token(&self) -> Option<u64> {
         match self {
             AnyModel::Llama(m) => Some(m.bytes_per_token()),
-            AnyModel::Dsv4(_) => None,
+            AnyModel::Dsv4(m) => Some(m.bytes_per_token()),
         }
     }
 }

@@ -519,6 +519,42 @@ impl<'m> Dsv4Model<'m> {
         })
     }
 
+    /// Weight bytes (weights + scales) one decoded token reads: every layer's
+    /// attention projections (with its compressor / indexer projections),
+    /// both hyper-connection mixers, the router gate, the shared expert and
+    /// top_k / n_routed of all routed experts (the expected value under
+    /// uniform routing), plus the final hyper-connection and the head. The
+    /// embedding row lookup and small vectors (norms, biases, ape) are not
+    /// counted.
+    pub fn bytes_per_token(&self) -> u64 {
+        let comp_bytes = |c: &Compressor<'_>| c.wkv.bytes() + c.wgate.bytes();
+        let mut total = self.head.bytes() + self.hc_head.fn_.bytes();
+        for l in &self.layers {
+            total += l.attn_hc.fn_.bytes() + l.ffn_hc.fn_.bytes();
+            total += l.wq_a.bytes() + l.wq_b.bytes() + l.wkv.bytes() + l.wo_b.bytes();
+            total += match &l.wo_a {
+                WoA::Groups(g) => g.iter().map(|m| m.bytes()).sum::<u64>(),
+                WoA::Whole(m) => m.bytes(),
+            };
+            if let Some(c) = &l.comp {
+                total += comp_bytes(c);
+            }
+            if let Some(ix) = &l.indexer {
+                total += comp_bytes(&ix.comp) + ix.wq_b.bytes() + ix.weights_proj.bytes();
+            }
+            total += l.moe.gate.bytes();
+            if let Some(s) = &l.moe.shared {
+                total += s.iter().map(|m| m.bytes()).sum::<u64>();
+            }
+            let n_e = l.moe.experts.len() as u64;
+            if n_e > 0 {
+                let all: u64 = l.moe.experts.iter().flat_map(|e| e.iter()).map(|m| m.bytes()).sum();
+                total += all * (self.top_k as u64).min(n_e) / n_e;
+            }
+        }
+        total
+    }
+
     pub fn vocab(&self) -> usize {
         self.vocab
     }
