@@ -2,7 +2,7 @@
 """Synthetic DeepSeek-V4-Flash-shaped checkpoint for whole-model benchmarks.
 
 Writes a checkpoint in the RELEASE naming and storage formats of the real
-DeepSeek-V4-Flash (see /work/dsv4_notes.md section 2 and `dsv4_release` in
+DeepSeek-V4-Flash (the tensor list is `dsv4_release` in
 src/model/layout.rs): real widths (hidden 4096, 64 heads x 512, q_lora 1024,
 8 x 1024 o-groups, 256 experts x 2048 top-6, one shared expert, indexer
 64 x 128, hc 4, vocab 129280), FP8 E4M3 dense matrices with UE8M0 128x128
