@@ -51,6 +51,14 @@ impl<'m> AnyModel<'m> {
         })
     }
 
+    /// Whether every weight is read in place from the file mapping.
+    pub fn weights_in_place(&self) -> bool {
+        match self {
+            AnyModel::Llama(m) => m.weights_in_place(),
+            AnyModel::Dsv4(m) => m.weights_in_place(),
+        }
+    }
+
     /// Weight bytes one decoded token reads, where the engine can say.
     pub fn bytes_per_token(&self) -> Option<u64> {
         match self {

@@ -5,76 +5,13 @@
 //! and cached decoding equal to a full recompute, for every kernel variant
 //! this CPU runs.
 
+mod common;
+
 use bespoke::engine::dsv4::Dsv4Model;
-use bespoke::kernels::{Kernels, COMPILED_ISAS};
+use bespoke::kernels::Kernels;
 use bespoke::model::ModelDir;
-use bespoke::sample::argmax;
-use serde_json::Value;
+use common::{argmaxes, check_model, fixture, variants};
 use std::path::Path;
-
-fn fixture(name: &str) -> (ModelDir, Value) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name);
-    let m = ModelDir::open(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("ref.json")).unwrap()).unwrap();
-    (m, r)
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-}
-
-/// Every compiled variant this CPU can run.
-fn variants() -> Vec<Kernels> {
-    COMPILED_ISAS.iter().filter_map(|&isa| Kernels::with_isa(isa).ok()).collect()
-}
-
-fn argmaxes(logits: &[f32], vocab: usize) -> Vec<u32> {
-    logits.chunks_exact(vocab).map(argmax).collect()
-}
-
-fn check_model(name: &str) {
-    let (m, r) = fixture(name);
-    let n_new = r["greedy_new_tokens"].as_u64().unwrap() as usize;
-    let ks = variants();
-    assert!(!ks.is_empty(), "no kernel variant runs on this CPU");
-    for k in ks {
-        let eng = Dsv4Model::new(&m, k).unwrap();
-        assert!(eng.weights_in_place(), "{name}: weights must be read from the mapping");
-        let vocab = eng.vocab();
-        for (pi, p) in r["prompts"].as_array().unwrap().iter().enumerate() {
-            let what = format!("{name} / {} / {}", k.isa(), p["name"]);
-            let prompt = ids(&p["ids"]);
-            let mut cache = eng.new_cache(prompt.len() + n_new).unwrap();
-            // Teacher forcing, prefill in 64-token chunks (the long prompt crosses one).
-            let logits = eng.prefill(&mut cache, &prompt, 64, true).unwrap();
-            assert_eq!(argmaxes(&logits, vocab), ids(&p["argmax"]), "{what}: teacher-forcing argmax");
-            if pi == 0 {
-                let want: Vec<f32> = r["last_logits"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
-                let got = &logits[logits.len() - vocab..];
-                let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-                assert!(diff < 2e-3, "{what}: last logits differ from transformers by {diff}");
-            }
-            // Greedy decode through the cache, one token per forward.
-            let mut next = argmax(&logits[logits.len() - vocab..]);
-            let mut out = vec![next];
-            let mut last = Vec::new();
-            while out.len() < n_new {
-                last = eng.forward(&mut cache, &[next], false).unwrap();
-                next = argmax(&last);
-                out.push(next);
-            }
-            assert_eq!(out, ids(&p["greedy"]), "{what}: greedy tokens");
-            // The cached decode's last logits equal a full recompute, bit for
-            // bit, with the prefill in odd-sized chunks (windows, compressor
-            // windows and chunk edges all fall differently).
-            let mut all = prompt.clone();
-            all.extend_from_slice(&out[..n_new - 1]);
-            let mut fresh = eng.new_cache(all.len()).unwrap();
-            let full = eng.prefill(&mut fresh, &all, 7, false).unwrap();
-            assert_eq!(full, last, "{what}: cached decode differs from a full recompute");
-        }
-    }
-}
 
 #[test]
 fn tiny_dsv4_release_matches_transformers() {

@@ -708,13 +708,7 @@ impl<'m> Dsv4Model<'m> {
         if n == 0 {
             return Ok(Vec::new());
         }
-        if cache.len + n > cache.capacity {
-            return Err(EngineError::Context {
-                needed: cache.len + n,
-                limit: cache.capacity,
-                hint: " (the cache was sized for fewer tokens)".into(),
-            });
-        }
+        super::check_room(cache.len, cache.capacity, n)?;
         if cache.layers.len() != self.layers.len() {
             return Err(bad("this cache belongs to another model".into()));
         }
@@ -771,18 +765,7 @@ impl<'m> Dsv4Model<'m> {
     /// Prefill `tokens` in chunks of `chunk`. Returns every position's logits
     /// when `all_logits`, else the last position's.
     pub fn prefill(&self, cache: &mut Dsv4Cache, tokens: &[u32], chunk: usize, all_logits: bool) -> Result<Vec<f32>, EngineError> {
-        let chunk = chunk.max(1);
-        let mut out = Vec::new();
-        let pieces: Vec<&[u32]> = tokens.chunks(chunk).collect();
-        for (i, piece) in pieces.iter().enumerate() {
-            let logits = self.forward(cache, piece, all_logits)?;
-            if all_logits {
-                out.extend_from_slice(&logits);
-            } else if i + 1 == pieces.len() {
-                out = logits;
-            }
-        }
-        Ok(out)
+        super::prefill_chunks(tokens, chunk, all_logits, |piece, all| self.forward(cache, piece, all))
     }
 
     /// The attention sub-block for `n` tokens at pos0.. (input `a`, already

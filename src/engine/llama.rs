@@ -222,13 +222,7 @@ impl<'m> LlamaModel<'m> {
         if n == 0 {
             return Ok(Vec::new());
         }
-        if cache.len + n > cache.capacity {
-            return Err(EngineError::Context {
-                needed: cache.len + n,
-                limit: cache.capacity,
-                hint: " (the KV cache was sized for fewer tokens)".into(),
-            });
-        }
+        super::check_room(cache.len, cache.capacity, n)?;
         let (d, hd, h, kvh) = (self.d, self.head_dim, self.heads, self.kv_heads);
         let k = &self.kernels;
         let mut x = vec![0.0f32; n * d];
@@ -315,19 +309,7 @@ impl<'m> LlamaModel<'m> {
     /// matmul kernels). Returns every position's logits when `all_logits`,
     /// else the last position's.
     pub fn prefill(&self, cache: &mut KvCache, tokens: &[u32], chunk: usize, all_logits: bool) -> Result<Vec<f32>, EngineError> {
-        let chunk = chunk.max(1);
-        let mut out = Vec::new();
-        let pieces: Vec<&[u32]> = tokens.chunks(chunk).collect();
-        for (i, piece) in pieces.iter().enumerate() {
-            let last = i + 1 == pieces.len();
-            let logits = self.forward(cache, piece, all_logits)?;
-            if all_logits {
-                out.extend_from_slice(&logits);
-            } else if last {
-                out = logits;
-            }
-        }
-        Ok(out)
+        super::prefill_chunks(tokens, chunk, all_logits, |piece, all| self.forward(cache, piece, all))
     }
 
     fn mlp(&self, mlp: &Mlp, x: &[f32], n: usize, out: &mut [f32]) -> Result<(), EngineError> {

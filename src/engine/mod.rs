@@ -28,6 +28,39 @@ pub enum EngineError {
     BadToken { id: u32, vocab: usize },
 }
 
+/// Refuse to append `n` tokens to a cache holding `len` of `capacity`.
+pub fn check_room(len: usize, capacity: usize, n: usize) -> Result<(), EngineError> {
+    if len + n > capacity {
+        return Err(EngineError::Context {
+            needed: len + n,
+            limit: capacity,
+            hint: " (the cache was sized for fewer tokens)".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Feed `tokens` to `forward` in chunks of `chunk`; every position's logits
+/// when `all_logits`, else the last chunk's last position.
+pub fn prefill_chunks(
+    tokens: &[u32],
+    chunk: usize,
+    all_logits: bool,
+    mut forward: impl FnMut(&[u32], bool) -> Result<Vec<f32>, EngineError>,
+) -> Result<Vec<f32>, EngineError> {
+    let mut out = Vec::new();
+    let pieces: Vec<&[u32]> = tokens.chunks(chunk.max(1)).collect();
+    for (i, piece) in pieces.iter().enumerate() {
+        let logits = forward(piece, all_logits)?;
+        if all_logits {
+            out.extend_from_slice(&logits);
+        } else if i + 1 == pieces.len() {
+            out = logits;
+        }
+    }
+    Ok(out)
+}
+
 /// A weight matrix [rows, cols] read from the model, in place when aligned.
 pub struct Mat<'m> {
     pub name: String,

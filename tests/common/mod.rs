@@ -69,3 +69,80 @@ pub fn first_diff(a: &[f32], b: &[f32]) -> Option<(usize, f32, f32)> {
         .position(|(x, y)| !same(*x, *y))
         .map(|i| (i, a[i], b[i]))
 }
+
+// ---- Engines against the fixtures' ref.json ----
+
+use bespoke::generate::{AnyModel, CausalLm};
+use bespoke::kernels::{Kernels, COMPILED_ISAS};
+use bespoke::model::ModelDir;
+use bespoke::sample::argmax;
+use serde_json::Value;
+use std::path::Path;
+
+/// A fixture directory, opened, with its ref.json.
+pub fn fixture(name: &str) -> (ModelDir, Value) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name);
+    let m = ModelDir::open(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("ref.json")).unwrap()).unwrap();
+    (m, r)
+}
+
+pub fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// Every compiled kernel variant this CPU can run.
+pub fn variants() -> Vec<Kernels> {
+    COMPILED_ISAS.iter().filter_map(|&isa| Kernels::with_isa(isa).ok()).collect()
+}
+
+pub fn argmaxes(logits: &[f32], vocab: usize) -> Vec<u32> {
+    logits.chunks_exact(vocab).map(argmax).collect()
+}
+
+/// Token-exact checks of one fixture against its ref.json, for every kernel
+/// variant this CPU runs (see tests/engine.rs and tests/dsv4.rs).
+pub fn check_model(name: &str) {
+    let (m, r) = fixture(name);
+    let n_new = r["greedy_new_tokens"].as_u64().unwrap() as usize;
+    let ks = variants();
+    assert!(!ks.is_empty(), "no kernel variant runs on this CPU");
+    for k in ks {
+        let eng = AnyModel::load(&m, k).unwrap();
+        assert!(eng.weights_in_place(), "{name}: weights must be read from the mapping");
+        let vocab = CausalLm::vocab(&eng);
+        for (pi, p) in r["prompts"].as_array().unwrap().iter().enumerate() {
+            let what = format!("{name} / {} / {}", k.isa(), p["name"]);
+            let prompt = ids(&p["ids"]);
+            let mut cache = CausalLm::new_cache(&eng, prompt.len() + n_new).unwrap();
+            // Teacher forcing, prefill in 64-token chunks (the long prompt crosses one).
+            let logits = CausalLm::prefill(&eng, &mut cache, &prompt, 64, true).unwrap();
+            assert_eq!(argmaxes(&logits, vocab), ids(&p["argmax"]), "{what}: teacher-forcing argmax");
+            if pi == 0 {
+                let want: Vec<f32> = r["last_logits"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+                let got = &logits[logits.len() - vocab..];
+                let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+                assert!(diff < 2e-3, "{what}: last logits differ from transformers by {diff}");
+            }
+            // Greedy decode through the cache, one token per forward.
+            let mut next = argmax(&logits[logits.len() - vocab..]);
+            let mut out = vec![next];
+            let mut last = Vec::new();
+            while out.len() < n_new {
+                last = CausalLm::prefill(&eng, &mut cache, &[next], 1, false).unwrap();
+                next = argmax(&last);
+                out.push(next);
+            }
+            assert_eq!(out, ids(&p["greedy"]), "{what}: greedy tokens");
+            // The cached decode's last logits equal a full recompute, bit for
+            // bit, with the prefill in odd-sized chunks (windows, compressor
+            // windows and chunk edges all fall differently).
+            let mut all = prompt.clone();
+            all.extend_from_slice(&out[..n_new - 1]);
+            let mut fresh = CausalLm::new_cache(&eng, all.len()).unwrap();
+            let full = CausalLm::prefill(&eng, &mut fresh, &all, 7, false).unwrap();
+            assert_eq!(full, last, "{what}: cached decode differs from a full recompute");
+        }
+    }
+}
+
