@@ -65,9 +65,15 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
         ));
     }
     // A deterministic prompt of ordinary (non-special) ids.
-    let prompt: Vec<u32> = (0..opts.prompt_len).map(|i| (7 + (i * 7919) % (vocab - 7)) as u32).collect();
+    let prompt: Vec<u32> = (0..opts.prompt_len)
+        .map(|i| (7 + (i * 7919) % (vocab - 7)) as u32)
+        .collect();
     let llc = llc_bytes();
-    let stream_bytes = if opts.quick { 2 * llc } else { (4 * llc).max(256 << 20) };
+    let stream_bytes = if opts.quick {
+        2 * llc
+    } else {
+        (4 * llc).max(256 << 20)
+    };
     let reps = if opts.quick { 1 } else { 3 };
     let per_token = eng.bytes_per_token();
     eprintln!(

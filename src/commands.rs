@@ -29,7 +29,10 @@ pub fn parse_ids(flag: &str, s: &str) -> Result<Vec<u32>, String> {
     s.split(',')
         .map(str::trim)
         .filter(|t| !t.is_empty())
-        .map(|t| t.parse::<u32>().map_err(|_| format!("{flag}: {t:?} is not a token id (expected e.g. 1,2,3)")))
+        .map(|t| {
+            t.parse::<u32>()
+                .map_err(|_| format!("{flag}: {t:?} is not a token id (expected e.g. 1,2,3)"))
+        })
         .collect()
 }
 
@@ -39,13 +42,21 @@ pub fn load(dir: &Path) -> Result<(ModelDir, Kernels, String), String> {
     let model = ModelDir::open(dir).map_err(|e| e.to_string())?;
     let choice = Kernels::from_env().map_err(|e| e.to_string())?;
     let secs = t.elapsed().as_secs_f64();
-    Ok((model, choice.kernels, format!("{} (opened in {:.0} ms)", choice.reason, secs * 1e3)))
+    Ok((
+        model,
+        choice.kernels,
+        format!("{} (opened in {:.0} ms)", choice.reason, secs * 1e3),
+    ))
 }
 
 /// Family, parameters, bytes by format, KV cache for `ctx` tokens.
 pub fn summary(m: &ModelDir, ctx: usize) -> String {
     let c = &m.config;
-    let by: Vec<String> = m.bytes_by_format().iter().map(|(k, b)| format!("{k} {}", human_bytes(*b))).collect();
+    let by: Vec<String> = m
+        .bytes_by_format()
+        .iter()
+        .map(|(k, b)| format!("{k} {}", human_bytes(*b)))
+        .collect();
     let kv = KvCache::bytes_for(c.num_layers, c.num_kv_heads * c.head_dim, ctx);
     let unused = m.unused();
     let skipped = match unused.iter().filter(|n| n.starts_with("mtp.")).count() {
@@ -174,7 +185,9 @@ pub fn run(a: RunArgs) -> Result<(), String> {
                     msgs.push(ChatMessage::new("system", s));
                 }
                 msgs.push(ChatMessage::new("user", &text));
-                let rendered = tok.apply_chat_template(&msgs, true).map_err(|e| e.to_string())?;
+                let rendered = tok
+                    .apply_chat_template(&msgs, true)
+                    .map_err(|e| e.to_string())?;
                 // The template writes any BOS itself.
                 tok.encode(&rendered, false).map_err(|e| e.to_string())?
             } else {
@@ -185,7 +198,11 @@ pub fn run(a: RunArgs) -> Result<(), String> {
     if a.chat && a.prompt_ids.is_some() {
         return Err("--chat applies to --prompt text, not --prompt-ids".into());
     }
-    let gen_default = m.generation.as_ref().and_then(|g| g.max_new_tokens).unwrap_or(64);
+    let gen_default = m
+        .generation
+        .as_ref()
+        .and_then(|g| g.max_new_tokens)
+        .unwrap_or(64);
     let max_new = a.max_new_tokens.unwrap_or(gen_default);
     let limit = m.config.max_position_embeddings;
     if prompt_ids.len() + max_new > limit {
@@ -197,10 +214,16 @@ pub fn run(a: RunArgs) -> Result<(), String> {
     }
     let mut sampling = generate::default_sampling(&m);
     if a.greedy {
-        sampling = SamplingParams { repetition_penalty: sampling.repetition_penalty, ..SamplingParams::greedy() };
+        sampling = SamplingParams {
+            repetition_penalty: sampling.repetition_penalty,
+            ..SamplingParams::greedy()
+        };
     } else if a.temperature.is_some() || a.top_k.is_some() || a.top_p.is_some() {
         if sampling.is_greedy() {
-            sampling = SamplingParams { repetition_penalty: sampling.repetition_penalty, ..SamplingParams::default() };
+            sampling = SamplingParams {
+                repetition_penalty: sampling.repetition_penalty,
+                ..SamplingParams::default()
+            };
         }
         if let Some(t) = a.temperature {
             sampling.temperature = t;
@@ -258,7 +281,14 @@ pub fn run(a: RunArgs) -> Result<(), String> {
         if stream {
             println!();
         } else {
-            println!("{}", g.new_ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","));
+            println!(
+                "{}",
+                g.new_ids
+                    .iter()
+                    .map(|i| i.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            );
         }
     }
     eprintln!(
@@ -307,7 +337,9 @@ pub fn score(a: ScoreArgs) -> Result<(), String> {
             .ok_or("this model has no tokenizer.json: use --ids")?
             .encode(text, true)
             .map_err(|e| e.to_string())?,
-        (None, None) => return Err("give the sequence to score with --ids 1,2,3 or --text TEXT".into()),
+        (None, None) => {
+            return Err("give the sequence to score with --ids 1,2,3 or --text TEXT".into())
+        }
     };
     if ids.is_empty() {
         return Err("nothing to score: the sequence is empty".into());
@@ -317,7 +349,9 @@ pub fn score(a: ScoreArgs) -> Result<(), String> {
         banner(&m, &k, &reason, ids.len());
     }
     let mut cache = eng.new_cache(ids.len()).map_err(|e| e.to_string())?;
-    let logits = eng.prefill(&mut cache, &ids, a.chunk, true).map_err(|e| e.to_string())?;
+    let logits = eng
+        .prefill(&mut cache, &ids, a.chunk, true)
+        .map_err(|e| e.to_string())?;
     let vocab = eng.vocab();
     let am: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();
     let last = &logits[logits.len() - vocab..];
@@ -329,8 +363,15 @@ pub fn score(a: ScoreArgs) -> Result<(), String> {
         println!("{v}");
         return Ok(());
     }
-    let show = |id: u32| tok.and_then(|t| t.decode(&[id], false).ok()).map(|s| format!("{s:?}")).unwrap_or_default();
-    println!("{:>5} {:>7} {:<16} {:>7} {}", "pos", "id", "token", "argmax", "predicted");
+    let show = |id: u32| {
+        tok.and_then(|t| t.decode(&[id], false).ok())
+            .map(|s| format!("{s:?}"))
+            .unwrap_or_default()
+    };
+    println!(
+        "{:>5} {:>7} {:<16} {:>7} {}",
+        "pos", "id", "token", "argmax", "predicted"
+    );
     for (i, (&t, &p)) in ids.iter().zip(&am).enumerate() {
         println!("{i:>5} {t:>7} {:<16} {p:>7} {}", show(t), show(p));
     }

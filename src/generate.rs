@@ -3,7 +3,7 @@
 
 use crate::engine::EngineError;
 use crate::model::ModelDir;
-use crate::sample::{SamplingParams, Sampler};
+use crate::sample::{Sampler, SamplingParams};
 use crate::tokenizer::Tokenizer;
 use std::time::Instant;
 
@@ -14,8 +14,13 @@ pub trait CausalLm {
     /// An empty KV cache for up to `capacity` tokens.
     fn new_cache(&self, capacity: usize) -> Result<Self::Cache, EngineError>;
     /// Append `tokens` in chunks; all positions' logits or the last one's.
-    fn prefill(&self, cache: &mut Self::Cache, tokens: &[u32], chunk: usize, all_logits: bool)
-        -> Result<Vec<f32>, EngineError>;
+    fn prefill(
+        &self,
+        cache: &mut Self::Cache,
+        tokens: &[u32],
+        chunk: usize,
+        all_logits: bool,
+    ) -> Result<Vec<f32>, EngineError>;
 }
 
 impl<'m> CausalLm for crate::engine::llama::LlamaModel<'m> {
@@ -26,7 +31,13 @@ impl<'m> CausalLm for crate::engine::llama::LlamaModel<'m> {
     fn new_cache(&self, capacity: usize) -> Result<Self::Cache, EngineError> {
         crate::engine::llama::LlamaModel::new_cache(self, capacity)
     }
-    fn prefill(&self, cache: &mut Self::Cache, tokens: &[u32], chunk: usize, all_logits: bool) -> Result<Vec<f32>, EngineError> {
+    fn prefill(
+        &self,
+        cache: &mut Self::Cache,
+        tokens: &[u32],
+        chunk: usize,
+        all_logits: bool,
+    ) -> Result<Vec<f32>, EngineError> {
         crate::engine::llama::LlamaModel::prefill(self, cache, tokens, chunk, all_logits)
     }
 }
@@ -44,9 +55,14 @@ pub enum AnyCache {
 
 impl<'m> AnyModel<'m> {
     /// The engine for `model`'s family.
-    pub fn load(model: &'m ModelDir, kernels: crate::kernels::Kernels) -> Result<AnyModel<'m>, EngineError> {
+    pub fn load(
+        model: &'m ModelDir,
+        kernels: crate::kernels::Kernels,
+    ) -> Result<AnyModel<'m>, EngineError> {
         Ok(match model.config.family {
-            crate::plan::Family::DeepseekV4 => AnyModel::Dsv4(crate::engine::dsv4::Dsv4Model::new(model, kernels)?),
+            crate::plan::Family::DeepseekV4 => {
+                AnyModel::Dsv4(crate::engine::dsv4::Dsv4Model::new(model, kernels)?)
+            }
             _ => AnyModel::Llama(crate::engine::llama::LlamaModel::new(model, kernels)?),
         })
     }
@@ -82,11 +98,23 @@ impl CausalLm for AnyModel<'_> {
             AnyModel::Dsv4(m) => AnyCache::Dsv4(CausalLm::new_cache(m, capacity)?),
         })
     }
-    fn prefill(&self, cache: &mut AnyCache, tokens: &[u32], chunk: usize, all_logits: bool) -> Result<Vec<f32>, EngineError> {
+    fn prefill(
+        &self,
+        cache: &mut AnyCache,
+        tokens: &[u32],
+        chunk: usize,
+        all_logits: bool,
+    ) -> Result<Vec<f32>, EngineError> {
         match (self, cache) {
-            (AnyModel::Llama(m), AnyCache::Llama(c)) => CausalLm::prefill(m, c, tokens, chunk, all_logits),
-            (AnyModel::Dsv4(m), AnyCache::Dsv4(c)) => CausalLm::prefill(m, c, tokens, chunk, all_logits),
-            _ => Err(EngineError::Unsupported("a cache made by another engine".into())),
+            (AnyModel::Llama(m), AnyCache::Llama(c)) => {
+                CausalLm::prefill(m, c, tokens, chunk, all_logits)
+            }
+            (AnyModel::Dsv4(m), AnyCache::Dsv4(c)) => {
+                CausalLm::prefill(m, c, tokens, chunk, all_logits)
+            }
+            _ => Err(EngineError::Unsupported(
+                "a cache made by another engine".into(),
+            )),
         }
     }
 }
@@ -175,7 +203,9 @@ pub fn generate<E: CausalLm>(
 ) -> Result<Generation, EngineError> {
     let mut sampler = Sampler::new(opts.sampling.clone()).map_err(EngineError::Unsupported)?;
     if prompt.is_empty() {
-        return Err(EngineError::Unsupported("the prompt is empty: give at least one token".into()));
+        return Err(EngineError::Unsupported(
+            "the prompt is empty: give at least one token".into(),
+        ));
     }
     let mut cache = eng.new_cache(prompt.len() + opts.max_new_tokens)?;
     let mut history = prompt.to_vec();
@@ -201,7 +231,9 @@ pub fn generate<E: CausalLm>(
         new_ids.push(next);
         history.push(next);
         if let Some(t) = tok {
-            let full = t.decode(&new_ids, true).map_err(|e| EngineError::Unsupported(e.to_string()))?;
+            let full = t
+                .decode(&new_ids, true)
+                .map_err(|e| EngineError::Unsupported(e.to_string()))?;
             if let Some(at) = opts.stop.iter().filter_map(|s| full.find(s.as_str())).min() {
                 text = full[..at].to_string();
                 if let Some(rest) = text.get(emitted..) {
@@ -217,7 +249,12 @@ pub fn generate<E: CausalLm>(
                     let hold = opts
                         .stop
                         .iter()
-                        .map(|s| (1..s.len()).rev().find(|&k| full.ends_with(&s[..k]) && s.is_char_boundary(k)).unwrap_or(0))
+                        .map(|s| {
+                            (1..s.len())
+                                .rev()
+                                .find(|&k| full.ends_with(&s[..k]) && s.is_char_boundary(k))
+                                .unwrap_or(0)
+                        })
                         .max()
                         .unwrap_or(0);
                     let upto = rest.len().saturating_sub(hold);
@@ -241,7 +278,11 @@ pub fn generate<E: CausalLm>(
             }
         }
     }
-    let decode_s = if new_ids.len() > 1 { t_first.elapsed().as_secs_f64() } else { 0.0 };
+    let decode_s = if new_ids.len() > 1 {
+        t_first.elapsed().as_secs_f64()
+    } else {
+        0.0
+    };
     let timings = Timings {
         prompt_tokens: prompt.len(),
         new_tokens: new_ids.len(),
@@ -249,7 +290,17 @@ pub fn generate<E: CausalLm>(
         prefill_s,
         decode_s,
         prefill_tok_s: prompt.len() as f64 / prefill_s.max(1e-9),
-        decode_tok_s: if new_ids.len() > 1 { (new_ids.len() - 1) as f64 / decode_s.max(1e-9) } else { 0.0 },
+        decode_tok_s: if new_ids.len() > 1 {
+            (new_ids.len() - 1) as f64 / decode_s.max(1e-9)
+        } else {
+            0.0
+        },
     };
-    Ok(Generation { prompt_ids: prompt.to_vec(), new_ids, text, stop_reason: stop_reason.into(), timings })
+    Ok(Generation {
+        prompt_ids: prompt.to_vec(),
+        new_ids,
+        text,
+        stop_reason: stop_reason.into(),
+        timings,
+    })
 }

@@ -33,12 +33,18 @@ fn human_count(n: u64) -> String {
 fn config_lines(m: &ModelDir) -> Vec<(String, String)> {
     let c = &m.config;
     let mut v = vec![
-        ("family".to_string(), format!("{} (model_type {:?})", c.family.name(), c.model_type)),
+        (
+            "family".to_string(),
+            format!("{} (model_type {:?})", c.family.name(), c.model_type),
+        ),
         ("layers".into(), c.num_layers.to_string()),
         ("hidden".into(), c.hidden_size.to_string()),
         (
             "attention".into(),
-            format!("{} heads, {} kv heads, head_dim {}", c.num_heads, c.num_kv_heads, c.head_dim),
+            format!(
+                "{} heads, {} kv heads, head_dim {}",
+                c.num_heads, c.num_kv_heads, c.head_dim
+            ),
         ),
         ("vocab".into(), c.vocab_size.to_string()),
         ("context".into(), c.max_position_embeddings.to_string()),
@@ -58,7 +64,10 @@ fn config_lines(m: &ModelDir) -> Vec<(String, String)> {
             ),
         ));
     } else {
-        v.push(("mlp".into(), format!("intermediate {}", c.intermediate_size)));
+        v.push((
+            "mlp".into(),
+            format!("intermediate {}", c.intermediate_size),
+        ));
     }
     if let Some(d) = &c.dsv4 {
         let kinds: Vec<String> = (0..c.num_layers)
@@ -68,7 +77,13 @@ fn config_lines(m: &ModelDir) -> Vec<(String, String)> {
                 crate::model::layout::AttnKind::Hca => format!("H{}", d.compress_ratios[l]),
             })
             .collect();
-        v.push(("attn layers".into(), format!("{} (S sliding, C compressed-sparse, H heavily compressed; number = rate)", kinds.join(" "))));
+        v.push((
+            "attn layers".into(),
+            format!(
+                "{} (S sliding, C compressed-sparse, H heavily compressed; number = rate)",
+                kinds.join(" ")
+            ),
+        ));
         v.push((
             "deepseek_v4".into(),
             format!(
@@ -89,7 +104,9 @@ fn config_lines(m: &ModelDir) -> Vec<(String, String)> {
         v.push((
             "quantization".into(),
             match (d.fp8_dense, d.fp4_experts) {
-                (true, true) => "FP8 E4M3 dense (UE8M0 128x128), FP4 E2M1 experts (UE8M0 per 32)".into(),
+                (true, true) => {
+                    "FP8 E4M3 dense (UE8M0 128x128), FP4 E2M1 experts (UE8M0 per 32)".into()
+                }
                 (true, false) => "FP8 E4M3 dense and experts (UE8M0 128x128)".into(),
                 _ => "none".into(),
             },
@@ -113,7 +130,9 @@ pub fn text(m: &ModelDir, brief: bool) -> String {
                 s,
                 "weights     {} shards from {}, {} tensors, {}",
                 m.weights.shards.len(),
-                ix.file_name().map(|f| f.to_string_lossy()).unwrap_or_default(),
+                ix.file_name()
+                    .map(|f| f.to_string_lossy())
+                    .unwrap_or_default(),
                 m.weights.len(),
                 human_bytes(total)
             );
@@ -132,37 +151,65 @@ pub fn text(m: &ModelDir, brief: bool) -> String {
         let _ = writeln!(
             s,
             "  shard     {} ({} tensors, {})",
-            shard.path.file_name().map(|f| f.to_string_lossy()).unwrap_or_default(),
+            shard
+                .path
+                .file_name()
+                .map(|f| f.to_string_lossy())
+                .unwrap_or_default(),
             shard.header.tensors.len(),
             human_bytes(shard.header.data_len as u64)
         );
     }
     let _ = writeln!(s, "parameters  {}", human_count(m.parameters()));
     let _ = writeln!(s, "by format");
-    let unused_bytes: u64 = m.unused().iter().filter_map(|n| m.weights.get(n)).map(|t| t.bytes.len() as u64).sum();
+    let unused_bytes: u64 = m
+        .unused()
+        .iter()
+        .filter_map(|n| m.weights.get(n))
+        .map(|t| t.bytes.len() as u64)
+        .sum();
     let mut rows = m.bytes_by_format();
     if unused_bytes > 0 {
         rows.push(("unused", unused_bytes));
     }
     for (label, bytes) in rows {
-        let _ = writeln!(s, "  {label:<16} {:>12}  {:5.1}%", human_bytes(bytes), 100.0 * bytes as f64 / total.max(1) as f64);
+        let _ = writeln!(
+            s,
+            "  {label:<16} {:>12}  {:5.1}%",
+            human_bytes(bytes),
+            100.0 * bytes as f64 / total.max(1) as f64
+        );
     }
     match &m.tokenizer {
         Some(t) => {
-            let specials: Vec<String> = t.special.iter().map(|(k, v)| format!("{k} {v:?}")).collect();
+            let specials: Vec<String> = t
+                .special
+                .iter()
+                .map(|(k, v)| format!("{k} {v:?}"))
+                .collect();
             let _ = writeln!(
                 s,
                 "tokenizer   {} tokens; {}; chat template: {}",
                 t.vocab_size(),
-                if specials.is_empty() { "no special tokens named".into() } else { specials.join(", ") },
+                if specials.is_empty() {
+                    "no special tokens named".into()
+                } else {
+                    specials.join(", ")
+                },
                 match &t.chat_template_source {
-                    Some(p) => p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
+                    Some(p) => p
+                        .file_name()
+                        .map(|f| f.to_string_lossy().into_owned())
+                        .unwrap_or_default(),
                     None => "none".into(),
                 }
             );
         }
         None => {
-            let _ = writeln!(s, "tokenizer   none (no tokenizer.json: prompts must be given as token ids)");
+            let _ = writeln!(
+                s,
+                "tokenizer   none (no tokenizer.json: prompts must be given as token ids)"
+            );
         }
     }
     if let Some(g) = &m.generation {
@@ -188,26 +235,50 @@ pub fn text(m: &ModelDir, brief: bool) -> String {
         if let Some(v) = g.max_new_tokens {
             parts.push(format!("max_new_tokens {v}"));
         }
-        let text = if parts.is_empty() { "generation_config.json sets nothing bespoke uses".to_string() } else { parts.join(", ") };
+        let text = if parts.is_empty() {
+            "generation_config.json sets nothing bespoke uses".to_string()
+        } else {
+            parts.join(", ")
+        };
         let _ = writeln!(s, "generation  {text}");
     }
     let unused = m.unused();
     if !unused.is_empty() {
         let mtp = unused.iter().filter(|n| n.starts_with("mtp.")).count();
-        let note = if mtp > 0 { format!(" ({mtp} of them the MTP block, which bespoke does not run)") } else { String::new() };
+        let note = if mtp > 0 {
+            format!(" ({mtp} of them the MTP block, which bespoke does not run)")
+        } else {
+            String::new()
+        };
         let _ = writeln!(s, "unused      {} tensors{note}", unused.len());
     }
     if !brief {
         let entries = m.entries();
-        let w = entries.iter().map(|e| e.name.len()).max().unwrap_or(4).max(4);
-        let _ = writeln!(s, "\n{:<w$}  {:<8} {:<18} {}", "tensor", "dtype", "shape", "read as");
+        let w = entries
+            .iter()
+            .map(|e| e.name.len())
+            .max()
+            .unwrap_or(4)
+            .max(4);
+        let _ = writeln!(
+            s,
+            "\n{:<w$}  {:<8} {:<18} {}",
+            "tensor", "dtype", "shape", "read as"
+        );
         for e in entries {
             let shape = format!("{:?}", e.shape);
             let role = match &e.kind {
                 Some(k) => k.describe(e.dtype),
                 None => "unused".into(),
             };
-            let _ = writeln!(s, "{:<w$}  {:<8} {:<18} {}", e.name, e.dtype.name(), shape, role);
+            let _ = writeln!(
+                s,
+                "{:<w$}  {:<8} {:<18} {}",
+                e.name,
+                e.dtype.name(),
+                shape,
+                role
+            );
         }
     }
     s += "ok: every tensor the model needs is present with the expected dtype and shape\n";
@@ -229,8 +300,10 @@ pub fn json(m: &ModelDir) -> Value {
             })
         })
         .collect();
-    let config: serde_json::Map<String, Value> =
-        config_lines(m).into_iter().map(|(k, v)| (k, Value::String(v))).collect();
+    let config: serde_json::Map<String, Value> = config_lines(m)
+        .into_iter()
+        .map(|(k, v)| (k, Value::String(v)))
+        .collect();
     json!({
         "model": m.dir.display().to_string(),
         "family": m.config.family.name(),

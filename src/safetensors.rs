@@ -68,11 +68,19 @@ impl Dtype {
     }
     /// The name as the header spells it.
     pub fn name(self) -> &'static str {
-        DTYPES.iter().find(|(_, d, _)| *d == self).map(|(n, _, _)| *n).unwrap_or("?")
+        DTYPES
+            .iter()
+            .find(|(_, d, _)| *d == self)
+            .map(|(n, _, _)| *n)
+            .unwrap_or("?")
     }
     /// Bytes per element.
     pub fn size(self) -> usize {
-        DTYPES.iter().find(|(_, d, _)| *d == self).map(|(_, _, s)| *s).unwrap_or(1)
+        DTYPES
+            .iter()
+            .find(|(_, d, _)| *d == self)
+            .map(|(_, _, s)| *s)
+            .unwrap_or(1)
     }
 }
 
@@ -129,7 +137,9 @@ pub enum HeaderError {
     BadMetadata(String),
     #[error("tensor {name:?}: {message}")]
     Tensor { name: String, message: String },
-    #[error("tensors {a:?} (bytes {a_begin}..{a_end}) and {b:?} (bytes {b_begin}..{b_end}) overlap")]
+    #[error(
+        "tensors {a:?} (bytes {a_begin}..{a_end}) and {b:?} (bytes {b_begin}..{b_end}) overlap"
+    )]
     Overlap {
         a: String,
         a_begin: usize,
@@ -156,28 +166,43 @@ fn index_value(v: &Value) -> Result<usize, String> {
     match v {
         Value::Number(n) => {
             if let Some(u) = n.as_u64() {
-                usize::try_from(u).map_err(|_| format!("{u} does not fit in this machine's address space"))
+                usize::try_from(u)
+                    .map_err(|_| format!("{u} does not fit in this machine's address space"))
             } else if n.as_i64().is_some() {
                 Err(format!("{n} is negative"))
             } else {
                 Err(format!("{n} is not an integer (or is too large)"))
             }
         }
-        other => Err(format!("expected a non-negative integer, found {}", json_kind(other))),
+        other => Err(format!(
+            "expected a non-negative integer, found {}",
+            json_kind(other)
+        )),
     }
 }
 
 fn parse_entry(name: &str, v: &Value, data_len: usize) -> Result<TensorInfo, HeaderError> {
-    let bad = |message: String| HeaderError::Tensor { name: name.to_string(), message };
-    let obj = v
-        .as_object()
-        .ok_or_else(|| bad(format!("expected an object with dtype, shape and data_offsets, found {}", json_kind(v))))?;
+    let bad = |message: String| HeaderError::Tensor {
+        name: name.to_string(),
+        message,
+    };
+    let obj = v.as_object().ok_or_else(|| {
+        bad(format!(
+            "expected an object with dtype, shape and data_offsets, found {}",
+            json_kind(v)
+        ))
+    })?;
     let dtype = match obj.get("dtype") {
         Some(Value::String(s)) => Dtype::parse(s).ok_or_else(|| {
             let known: Vec<&str> = DTYPES.iter().map(|(n, _, _)| *n).collect();
             bad(format!("unknown dtype {s:?} (known: {})", known.join(", ")))
         })?,
-        Some(other) => return Err(bad(format!("dtype must be a string, found {}", json_kind(other)))),
+        Some(other) => {
+            return Err(bad(format!(
+                "dtype must be a string, found {}",
+                json_kind(other)
+            )))
+        }
         None => return Err(bad("has no dtype".into())),
     };
     let shape = match obj.get("shape") {
@@ -186,7 +211,12 @@ fn parse_entry(name: &str, v: &Value, data_len: usize) -> Result<TensorInfo, Hea
             .enumerate()
             .map(|(i, d)| index_value(d).map_err(|m| bad(format!("shape[{i}]: {m}"))))
             .collect::<Result<Vec<usize>, _>>()?,
-        Some(other) => return Err(bad(format!("shape must be an array, found {}", json_kind(other)))),
+        Some(other) => {
+            return Err(bad(format!(
+                "shape must be an array, found {}",
+                json_kind(other)
+            )))
+        }
         None => return Err(bad("has no shape".into())),
     };
     let (begin, end) = match obj.get("data_offsets") {
@@ -195,13 +225,23 @@ fn parse_entry(name: &str, v: &Value, data_len: usize) -> Result<TensorInfo, Hea
             index_value(&o[1]).map_err(|m| bad(format!("data_offsets[1]: {m}")))?,
         ),
         Some(Value::Array(o)) => {
-            return Err(bad(format!("data_offsets must be [begin, end], found {} numbers", o.len())))
+            return Err(bad(format!(
+                "data_offsets must be [begin, end], found {} numbers",
+                o.len()
+            )))
         }
-        Some(other) => return Err(bad(format!("data_offsets must be an array, found {}", json_kind(other)))),
+        Some(other) => {
+            return Err(bad(format!(
+                "data_offsets must be an array, found {}",
+                json_kind(other)
+            )))
+        }
         None => return Err(bad("has no data_offsets".into())),
     };
     if begin > end {
-        return Err(bad(format!("data_offsets [{begin}, {end}] end before they begin")));
+        return Err(bad(format!(
+            "data_offsets [{begin}, {end}] end before they begin"
+        )));
     }
     if end > data_len {
         return Err(bad(format!(
@@ -211,10 +251,16 @@ fn parse_entry(name: &str, v: &Value, data_len: usize) -> Result<TensorInfo, Hea
     let numel = shape
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| bad(format!("shape {shape:?} has more elements than fit in memory")))?;
-    let want = numel
-        .checked_mul(dtype.size())
-        .ok_or_else(|| bad(format!("shape {shape:?} of {dtype} is larger than fits in memory")))?;
+        .ok_or_else(|| {
+            bad(format!(
+                "shape {shape:?} has more elements than fit in memory"
+            ))
+        })?;
+    let want = numel.checked_mul(dtype.size()).ok_or_else(|| {
+        bad(format!(
+            "shape {shape:?} of {dtype} is larger than fits in memory"
+        ))
+    })?;
     if want != end - begin {
         return Err(bad(format!(
             "shape {shape:?} of {dtype} ({} bytes each) needs {want} bytes, but data_offsets [{begin}, {end}] span {}",
@@ -222,7 +268,12 @@ fn parse_entry(name: &str, v: &Value, data_len: usize) -> Result<TensorInfo, Hea
             end - begin
         )));
     }
-    Ok(TensorInfo { dtype, shape, begin, end })
+    Ok(TensorInfo {
+        dtype,
+        shape,
+        begin,
+        end,
+    })
 }
 
 /// Parse and validate the header of a whole safetensors file held in `file`.
@@ -240,11 +291,15 @@ pub fn parse_header(file: &[u8]) -> Result<Header, HeaderError> {
     // n ≤ 100 MiB, so it fits in usize on every supported target.
     let n_usize = n as usize;
     if n_usize > file.len() - 8 {
-        return Err(HeaderError::HeaderPastEnd { len: n, file: file.len() });
+        return Err(HeaderError::HeaderPastEnd {
+            len: n,
+            file: file.len(),
+        });
     }
     let raw = &file[8..8 + n_usize];
     let text = std::str::from_utf8(raw).map_err(|e| HeaderError::NotUtf8(e.valid_up_to()))?;
-    let root: Value = serde_json::from_str(text).map_err(|e| HeaderError::BadJson(e.to_string()))?;
+    let root: Value =
+        serde_json::from_str(text).map_err(|e| HeaderError::BadJson(e.to_string()))?;
     let map = match root {
         Value::Object(m) => m,
         other => return Err(HeaderError::NotObject(json_kind(&other))),
@@ -267,13 +322,17 @@ pub fn parse_header(file: &[u8]) -> Result<Header, HeaderError> {
             continue;
         }
         if name.is_empty() {
-            return Err(HeaderError::Tensor { name: String::new(), message: "empty tensor name".into() });
+            return Err(HeaderError::Tensor {
+                name: String::new(),
+                message: "empty tensor name".into(),
+            });
         }
         tensors.insert(name.clone(), parse_entry(name, v, data_len)?);
     }
     // No two tensors may share bytes (a writer bug, or a crafted file that
     // would alias one weight onto another).
-    let mut spans: Vec<(&String, &TensorInfo)> = tensors.iter().filter(|(_, t)| t.begin < t.end).collect();
+    let mut spans: Vec<(&String, &TensorInfo)> =
+        tensors.iter().filter(|(_, t)| t.begin < t.end).collect();
     spans.sort_by_key(|(_, t)| (t.begin, t.end));
     for w in spans.windows(2) {
         let ((a, ta), (b, tb)) = (w[0], w[1]);
@@ -288,14 +347,22 @@ pub fn parse_header(file: &[u8]) -> Result<Header, HeaderError> {
             });
         }
     }
-    Ok(Header { tensors, metadata, data_start, data_len })
+    Ok(Header {
+        tensors,
+        metadata,
+        data_start,
+        data_len,
+    })
 }
 
 /// Opening or reading a safetensors file failed.
 #[derive(Debug, thiserror::Error)]
 pub enum FileError {
     #[error("cannot read {}: {source}", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{}: {source}", path.display())]
     Header { path: PathBuf, source: HeaderError },
 }
@@ -318,7 +385,10 @@ impl std::fmt::Debug for SafetensorsFile {
 
 impl SafetensorsFile {
     pub fn open(path: &Path) -> Result<SafetensorsFile, FileError> {
-        let io = |source| FileError::Io { path: path.to_path_buf(), source };
+        let io = |source| FileError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
         let file = File::open(path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
         if len < 8 {
@@ -334,15 +404,26 @@ impl SafetensorsFile {
         // llama.cpp, safetensors — relies on), and all bounds are checked
         // against the length seen here.
         let map = unsafe { memmap2::MmapOptions::new().map(&file) }.map_err(io)?;
-        let header = parse_header(&map).map_err(|source| FileError::Header { path: path.to_path_buf(), source })?;
-        Ok(SafetensorsFile { path: path.to_path_buf(), header, map })
+        let header = parse_header(&map).map_err(|source| FileError::Header {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Ok(SafetensorsFile {
+            path: path.to_path_buf(),
+            header,
+            map,
+        })
     }
 
     pub fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
         let (key, info) = self.header.tensors.get_key_value(name)?;
         let start = self.header.data_start + info.begin;
         let end = self.header.data_start + info.end;
-        Some(TensorView { name: key, info, bytes: &self.map[start..end] })
+        Some(TensorView {
+            name: key,
+            info,
+            bytes: &self.map[start..end],
+        })
     }
 
     /// The mapped bytes (the whole file).
@@ -419,7 +500,14 @@ impl<'a> TensorView<'a> {
     }
     /// One-byte codes (FP8, E8M0 scales, packed FP4, I8/U8).
     pub fn u8s(&self) -> Result<&'a [u8], ViewError> {
-        self.expect(&[Dtype::F8E4M3, Dtype::F8E5M2, Dtype::F8E8M0, Dtype::I8, Dtype::U8, Dtype::Bool])?;
+        self.expect(&[
+            Dtype::F8E4M3,
+            Dtype::F8E5M2,
+            Dtype::F8E8M0,
+            Dtype::I8,
+            Dtype::U8,
+            Dtype::Bool,
+        ])?;
         Ok(self.bytes)
     }
     /// Integer tensors (I32 or I64), widened to i64.
@@ -435,19 +523,32 @@ impl<'a> TensorView<'a> {
         self.expect(&[Dtype::F32, Dtype::BF16, Dtype::F16])?;
         Ok(match self.info.dtype {
             Dtype::F32 => self.cast::<f32>().into_owned(),
-            Dtype::BF16 => self.cast::<u16>().iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect(),
-            _ => self.cast::<u16>().iter().map(|&b| half::f16::from_bits(b).to_f32()).collect(),
+            Dtype::BF16 => self
+                .cast::<u16>()
+                .iter()
+                .map(|&b| half::bf16::from_bits(b).to_f32())
+                .collect(),
+            _ => self
+                .cast::<u16>()
+                .iter()
+                .map(|&b| half::f16::from_bits(b).to_f32())
+                .collect(),
         })
     }
 }
 
 /// Serialise tensors into safetensors bytes (used by the tests' corpus of
 /// broken files and by tools; tensors are laid out in the given order).
-pub fn write_bytes(tensors: &[(&str, Dtype, &[usize], &[u8])], metadata: &[(&str, &str)]) -> Vec<u8> {
+pub fn write_bytes(
+    tensors: &[(&str, Dtype, &[usize], &[u8])],
+    metadata: &[(&str, &str)],
+) -> Vec<u8> {
     let mut header = serde_json::Map::new();
     if !metadata.is_empty() {
-        let m: serde_json::Map<String, Value> =
-            metadata.iter().map(|(k, v)| (k.to_string(), Value::String(v.to_string()))).collect();
+        let m: serde_json::Map<String, Value> = metadata
+            .iter()
+            .map(|(k, v)| (k.to_string(), Value::String(v.to_string())))
+            .collect();
         header.insert("__metadata__".into(), Value::Object(m));
     }
     let mut offset = 0usize;

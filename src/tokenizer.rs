@@ -14,7 +14,10 @@ pub struct TokenizerError {
 }
 
 fn terr(path: &Path, message: impl Into<String>) -> TokenizerError {
-    TokenizerError { path: path.to_path_buf(), message: message.into() }
+    TokenizerError {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
 }
 
 /// One chat message (`role` is system, user, assistant, …).
@@ -26,7 +29,10 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: &str, content: &str) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -55,7 +61,10 @@ impl std::fmt::Debug for Tokenizer {
 fn token_text(v: &Value) -> Option<String> {
     match v {
         Value::String(s) => Some(s.clone()),
-        Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(str::to_string),
+        Value::Object(o) => o
+            .get("content")
+            .and_then(|c| c.as_str())
+            .map(str::to_string),
         _ => None,
     }
 }
@@ -77,17 +86,23 @@ impl Tokenizer {
         };
         let cfg_path = dir.join("tokenizer_config.json");
         if cfg_path.exists() {
-            let text = std::fs::read_to_string(&cfg_path).map_err(|e| terr(&cfg_path, format!("cannot read: {e}")))?;
-            let cfg: Value =
-                serde_json::from_str(&text).map_err(|e| terr(&cfg_path, format!("not valid JSON: {e}")))?;
-            let obj = cfg.as_object().ok_or_else(|| terr(&cfg_path, "expected a JSON object"))?;
+            let text = std::fs::read_to_string(&cfg_path)
+                .map_err(|e| terr(&cfg_path, format!("cannot read: {e}")))?;
+            let cfg: Value = serde_json::from_str(&text)
+                .map_err(|e| terr(&cfg_path, format!("not valid JSON: {e}")))?;
+            let obj = cfg
+                .as_object()
+                .ok_or_else(|| terr(&cfg_path, "expected a JSON object"))?;
             for key in ["bos_token", "eos_token", "unk_token", "pad_token"] {
                 match obj.get(key) {
                     None | Some(Value::Null) => {}
                     Some(v) => match token_text(v) {
                         Some(t) => tok.special.push((key.to_string(), t)),
                         None => {
-                            return Err(terr(&cfg_path, format!("{key} must be a string or {{\"content\": ...}}")))
+                            return Err(terr(
+                                &cfg_path,
+                                format!("{key} must be a string or {{\"content\": ...}}"),
+                            ))
                         }
                     },
                 }
@@ -97,15 +112,28 @@ impl Tokenizer {
                 Some(Value::String(s)) => tok.chat_template = Some(s.clone()),
                 // A list of named templates: use "default" (transformers does).
                 Some(Value::Array(items)) => {
-                    let named = items.iter().find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"));
-                    match named.and_then(|t| t.get("template")).and_then(|t| t.as_str()) {
+                    let named = items
+                        .iter()
+                        .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"));
+                    match named
+                        .and_then(|t| t.get("template"))
+                        .and_then(|t| t.as_str())
+                    {
                         Some(s) => tok.chat_template = Some(s.to_string()),
                         None => {
-                            return Err(terr(&cfg_path, "chat_template is a list without a \"default\" template"))
+                            return Err(terr(
+                                &cfg_path,
+                                "chat_template is a list without a \"default\" template",
+                            ))
                         }
                     }
                 }
-                Some(_) => return Err(terr(&cfg_path, "chat_template must be a string or a list of {name, template}")),
+                Some(_) => {
+                    return Err(terr(
+                        &cfg_path,
+                        "chat_template must be a string or a list of {name, template}",
+                    ))
+                }
             }
             if tok.chat_template.is_some() {
                 tok.chat_template_source = Some(cfg_path.clone());
@@ -114,7 +142,8 @@ impl Tokenizer {
         // transformers 5 saves the template beside the config; it wins.
         let jinja = dir.join("chat_template.jinja");
         if jinja.exists() {
-            let t = std::fs::read_to_string(&jinja).map_err(|e| terr(&jinja, format!("cannot read: {e}")))?;
+            let t = std::fs::read_to_string(&jinja)
+                .map_err(|e| terr(&jinja, format!("cannot read: {e}")))?;
             tok.chat_template = Some(t);
             tok.chat_template_source = Some(jinja);
         }
@@ -144,7 +173,10 @@ impl Tokenizer {
 
     /// The text of a special token named in tokenizer_config.json.
     pub fn special_token(&self, key: &str) -> Option<&str> {
-        self.special.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+        self.special
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
     }
 
     /// Token ids of `text`. `add_special` applies the tokenizer's
@@ -158,7 +190,9 @@ impl Tokenizer {
     }
 
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
-        self.inner.decode(ids, skip_special).map_err(|e| terr(&self.path, format!("cannot decode: {e}")))
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| terr(&self.path, format!("cannot decode: {e}")))
     }
 
     /// Render the chat template for `messages`, as transformers'
@@ -178,19 +212,33 @@ impl Tokenizer {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
         env.add_filter("tojson", python_tojson);
         env.add_template("chat", template)
             .map_err(|e| terr(source, format!("chat template does not parse: {e}")))?;
         let mut ctx = serde_json::Map::new();
-        ctx.insert("messages".into(), serde_json::to_value(messages).unwrap_or(Value::Null));
-        ctx.insert("add_generation_prompt".into(), Value::Bool(add_generation_prompt));
+        ctx.insert(
+            "messages".into(),
+            serde_json::to_value(messages).unwrap_or(Value::Null),
+        );
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::Bool(add_generation_prompt),
+        );
         for (k, v) in &self.special {
             ctx.insert(k.clone(), Value::String(v.clone()));
         }
-        let tmpl = env.get_template("chat").map_err(|e| terr(source, e.to_string()))?;
+        let tmpl = env
+            .get_template("chat")
+            .map_err(|e| terr(source, e.to_string()))?;
         tmpl.render(minijinja::Value::from_serialize(&ctx))
             .map_err(|e| terr(source, format!("chat template failed: {e}")))
     }
@@ -198,9 +246,13 @@ impl Tokenizer {
 
 /// Python's `json.dumps(v, ensure_ascii=False)` (what transformers' `tojson`
 /// filter does): ", " and ": " separators, or newlines with `indent`.
-fn python_tojson(v: minijinja::Value, indent: Option<usize>) -> Result<minijinja::Value, minijinja::Error> {
-    let json: Value = serde_json::to_value(&v)
-        .map_err(|e| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string()))?;
+fn python_tojson(
+    v: minijinja::Value,
+    indent: Option<usize>,
+) -> Result<minijinja::Value, minijinja::Error> {
+    let json: Value = serde_json::to_value(&v).map_err(|e| {
+        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
+    })?;
     let mut out = String::new();
     dump_py(&json, indent, 0, &mut out);
     Ok(minijinja::Value::from_safe_string(out))

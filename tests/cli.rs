@@ -116,28 +116,50 @@ fn help_explains_the_commands() {
 
 #[test]
 fn inspect_every_fixture() {
-    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-dsv4", "tiny-dsv4-hf"] {
+    for name in [
+        "tiny-llama",
+        "tiny-qwen2",
+        "tiny-qwen3",
+        "tiny-qwen3-moe",
+        "tiny-dsv4",
+        "tiny-dsv4-hf",
+    ] {
         let dir = format!("fixtures/{name}");
         let (ok, out, err) = run(&["inspect", "--model", &dir]);
         assert!(ok, "inspect {dir} failed: {err}");
         assert!(out.contains("ok: every tensor"), "{out}");
-        assert!(out.contains("by format") && out.contains("tokenizer "), "{out}");
+        assert!(
+            out.contains("by format") && out.contains("tokenizer "),
+            "{out}"
+        );
         let (ok, out, err) = run(&["inspect", "--model", &dir, "--json"]);
         assert!(ok, "{err}");
         let v: serde_json::Value = serde_json::from_str(&out).expect("inspect --json prints JSON");
         assert!(v["tensors"].as_array().is_some_and(|t| !t.is_empty()));
     }
     let (_, out, _) = run(&["inspect", "--model", "fixtures/tiny-dsv4"]);
-    assert!(out.contains("DeepSeek V4 release names") && out.contains("FP4 E2M1") && out.contains("FP8 E4M3"), "{out}");
+    assert!(
+        out.contains("DeepSeek V4 release names")
+            && out.contains("FP4 E2M1")
+            && out.contains("FP8 E4M3"),
+        "{out}"
+    );
     let (_, out, _) = run(&["inspect", "--model", "fixtures/tiny-dsv4-hf", "--brief"]);
-    assert!(out.contains("Hugging Face transformers names") && !out.contains("read as"), "{out}");
+    assert!(
+        out.contains("Hugging Face transformers names") && !out.contains("read as"),
+        "{out}"
+    );
 }
 
 #[test]
 fn inspect_errors_name_the_problem() {
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-inspect-broken");
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("config.json"), r#"{"model_type": "llama", "hidden_size": 16, "num_attention_heads": 2}"#).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"model_type": "llama", "hidden_size": 16, "num_attention_heads": 2}"#,
+    )
+    .unwrap();
     // Header length pointing past the end of the file.
     let mut bytes = 4096u64.to_le_bytes().to_vec();
     bytes.extend_from_slice(b"{}");
@@ -145,7 +167,10 @@ fn inspect_errors_name_the_problem() {
     let d = dir.to_str().unwrap();
     let (ok, _, err) = run(&["inspect", "--model", d]);
     assert!(!ok);
-    assert!(err.contains("model.safetensors") && err.contains("runs past the end"), "{err}");
+    assert!(
+        err.contains("model.safetensors") && err.contains("runs past the end"),
+        "{err}"
+    );
     assert!(!err.contains("panicked"), "{err}");
     let (ok, _, err) = run(&["inspect", "--model", "/nonexistent/model"]);
     assert!(!ok && err.contains("not a directory"), "{err}");
@@ -156,20 +181,51 @@ fn run_with_no_arguments_uses_the_bundled_model() {
     let (ok, out, err) = run(&["run", "--max-new-tokens", "5"]);
     assert!(ok, "{err}");
     assert!(out.starts_with("The old lighthouse"), "{out}");
-    for needle in ["tiny-llama", "params", "KV cache", "kernels:", "time to first token", "prefill", "decode"] {
-        assert!(err.contains(needle), "stderr should mention {needle:?}: {err}");
+    for needle in [
+        "tiny-llama",
+        "params",
+        "KV cache",
+        "kernels:",
+        "time to first token",
+        "prefill",
+        "decode",
+    ] {
+        assert!(
+            err.contains(needle),
+            "stderr should mention {needle:?}: {err}"
+        );
     }
 }
 
 /// `run --json` (a stable interface): greedy tokens equal the reference.
 #[test]
 fn run_json_matches_the_reference_greedy_tokens() {
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/tiny-qwen3/ref.json")).unwrap()).unwrap();
+    let r: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/fixtures/tiny-qwen3/ref.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
     let p = &r["prompts"][1];
-    let ids: Vec<String> = p["ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
+    let ids: Vec<String> = p["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
     let (ok, out, err) = run(&[
-        "run", "--model", "fixtures/tiny-qwen3", "--prompt-ids", &ids.join(","), "--max-new-tokens", "24", "--ignore-eos", "--greedy", "--json",
+        "run",
+        "--model",
+        "fixtures/tiny-qwen3",
+        "--prompt-ids",
+        &ids.join(","),
+        "--max-new-tokens",
+        "24",
+        "--ignore-eos",
+        "--greedy",
+        "--json",
     ]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
@@ -178,13 +234,37 @@ fn run_json_matches_the_reference_greedy_tokens() {
     assert!(v["timings"]["decode_tok_s"].as_f64().unwrap() > 0.0);
     assert!(v["text"].is_string());
     // The same through --prompt text.
-    let (ok, out, _) = run(&["run", "--model", "fixtures/tiny-qwen3", "--prompt", p["text"].as_str().unwrap(), "--max-new-tokens", "24", "--ignore-eos", "--json"]);
+    let (ok, out, _) = run(&[
+        "run",
+        "--model",
+        "fixtures/tiny-qwen3",
+        "--prompt",
+        p["text"].as_str().unwrap(),
+        "--max-new-tokens",
+        "24",
+        "--ignore-eos",
+        "--json",
+    ]);
     assert!(ok);
     let v2: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(v2["new_ids"], p["greedy"]);
     // Sampling is reproducible by seed.
-    let args = ["run", "--temperature", "1.0", "--top-k", "40", "--seed", "7", "--max-new-tokens", "12", "--ignore-eos", "--json"];
-    let new_ids = |out: &str| serde_json::from_str::<serde_json::Value>(out.trim()).unwrap()["new_ids"].clone();
+    let args = [
+        "run",
+        "--temperature",
+        "1.0",
+        "--top-k",
+        "40",
+        "--seed",
+        "7",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--json",
+    ];
+    let new_ids = |out: &str| {
+        serde_json::from_str::<serde_json::Value>(out.trim()).unwrap()["new_ids"].clone()
+    };
     let (_, a, _) = run(&args);
     let (_, b, _) = run(&args);
     assert_eq!(new_ids(&a), new_ids(&b));
@@ -192,17 +272,46 @@ fn run_json_matches_the_reference_greedy_tokens() {
 
 #[test]
 fn score_prints_argmax_at_every_position() {
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/tiny-qwen3-moe/ref.json")).unwrap()).unwrap();
+    let r: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/fixtures/tiny-qwen3-moe/ref.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
     let p = &r["prompts"][2];
-    let ids: Vec<String> = p["ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
-    let (ok, out, err) = run(&["score", "--model", "fixtures/tiny-qwen3-moe", "--ids", &ids.join(","), "--json", "--logits", "last"]);
+    let ids: Vec<String> = p["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
+    let (ok, out, err) = run(&[
+        "score",
+        "--model",
+        "fixtures/tiny-qwen3-moe",
+        "--ids",
+        &ids.join(","),
+        "--json",
+        "--logits",
+        "last",
+    ]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(v["argmax"], p["argmax"]);
     assert_eq!(v["last_logits"].as_array().unwrap().len(), 512);
-    let (ok, out, _) = run(&["score", "--model", "fixtures/tiny-llama", "--text", "The old river is"]);
-    assert!(ok && out.contains("argmax") && out.lines().count() >= 5, "{out}");
+    let (ok, out, _) = run(&[
+        "score",
+        "--model",
+        "fixtures/tiny-llama",
+        "--text",
+        "The old river is",
+    ]);
+    assert!(
+        ok && out.contains("argmax") && out.lines().count() >= 5,
+        "{out}"
+    );
 }
 
 #[test]
@@ -210,7 +319,10 @@ fn run_and_score_errors_are_clear() {
     let cases: &[(&[&str], &str)] = &[
         (&["run", "--prompt-ids", "1,x,3"], "\"x\" is not a token id"),
         (&["run", "--prompt-ids", "1,9999"], "9999"),
-        (&["run", "--max-new-tokens", "100000"], "max_position_embeddings"),
+        (
+            &["run", "--max-new-tokens", "100000"],
+            "max_position_embeddings",
+        ),
         (&["run", "--top-p", "1.5"], "--top-p"),
         (&["run", "--temperature=-1"], "--temperature"),
         (&["score"], "--ids"),
@@ -219,7 +331,10 @@ fn run_and_score_errors_are_clear() {
     for (args, needle) in cases {
         let (ok, _, err) = run(args);
         assert!(!ok, "{args:?} should fail");
-        assert!(err.contains(needle), "{args:?}: expected {needle:?} in {err}");
+        assert!(
+            err.contains(needle),
+            "{args:?}: expected {needle:?} in {err}"
+        );
         assert!(!err.contains("panicked"), "{err}");
     }
 }
@@ -228,20 +343,55 @@ fn run_and_score_errors_are_clear() {
 fn bench_e2e_quick_writes_json() {
     let path = std::env::temp_dir().join(format!("bespoke-e2e-{}.json", std::process::id()));
     let p = path.to_str().unwrap();
-    let (ok, _, err) = run(&["bench", "e2e", "--model", "fixtures/tiny-qwen3-moe", "--quick", "--prompt-len", "70", "--gen", "4", "--threads", "2", "--json", p]);
+    let (ok, _, err) = run(&[
+        "bench",
+        "e2e",
+        "--model",
+        "fixtures/tiny-qwen3-moe",
+        "--quick",
+        "--prompt-len",
+        "70",
+        "--gen",
+        "4",
+        "--threads",
+        "2",
+        "--json",
+        p,
+    ]);
     assert!(ok, "{err}");
-    assert!(err.contains("decode") && err.contains("% of read bandwidth"), "{err}");
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert!(
+        err.contains("decode") && err.contains("% of read bandwidth"),
+        "{err}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let runs = v["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 2);
     for r in runs {
-        assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0 && r["prefill_tok_s"].as_f64().unwrap() > 0.0);
+        assert!(
+            r["decode_tok_s"].as_f64().unwrap() > 0.0 && r["prefill_tok_s"].as_f64().unwrap() > 0.0
+        );
         assert!(r["read_gb_per_s"].as_f64().unwrap() > 0.0);
     }
     assert!(v["bytes_per_decode_token"].as_u64().unwrap() > 0);
     // DeepSeek V4 too, with its bytes per token (FP8/FP4 weights + scales).
-    let (ok, _, err) = run(&["bench", "e2e", "--model", "fixtures/tiny-dsv4", "--quick", "--prompt-len", "20", "--gen", "3", "--threads", "1"]);
-    assert!(ok && err.contains("read per decoded token") && err.contains("% of read bandwidth"), "{err}");
+    let (ok, _, err) = run(&[
+        "bench",
+        "e2e",
+        "--model",
+        "fixtures/tiny-dsv4",
+        "--quick",
+        "--prompt-len",
+        "20",
+        "--gen",
+        "3",
+        "--threads",
+        "1",
+    ]);
+    assert!(
+        ok && err.contains("read per decoded token") && err.contains("% of read bandwidth"),
+        "{err}"
+    );
     std::fs::remove_file(&path).ok();
 }
 
@@ -249,15 +399,44 @@ fn bench_e2e_quick_writes_json() {
 /// reference greedy tokens and argmax, through the stable JSON interfaces.
 #[test]
 fn deepseek_v4_runs_and_scores() {
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/tiny-dsv4/ref.json")).unwrap()).unwrap();
+    let r: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/fixtures/tiny-dsv4/ref.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
     let p = &r["prompts"][2];
-    let ids: Vec<String> = p["ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
-    let (ok, out, err) = run(&["run", "--model", "fixtures/tiny-dsv4", "--prompt-ids", &ids.join(","), "--max-new-tokens", "24", "--ignore-eos", "--greedy", "--json"]);
+    let ids: Vec<String> = p["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
+    let (ok, out, err) = run(&[
+        "run",
+        "--model",
+        "fixtures/tiny-dsv4",
+        "--prompt-ids",
+        &ids.join(","),
+        "--max-new-tokens",
+        "24",
+        "--ignore-eos",
+        "--greedy",
+        "--json",
+    ]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(v["new_ids"], p["greedy"]);
-    let (ok, out, err) = run(&["score", "--model", "fixtures/tiny-dsv4", "--ids", &ids.join(","), "--json"]);
+    let (ok, out, err) = run(&[
+        "score",
+        "--model",
+        "fixtures/tiny-dsv4",
+        "--ids",
+        &ids.join(","),
+        "--json",
+    ]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(v["argmax"], p["argmax"]);
@@ -274,13 +453,28 @@ fn stop_strings_end_generation_and_are_not_printed() {
     assert!(chars.len() > 12, "{text:?}");
     let stop: String = chars[8..11].iter().collect();
     let want = &text[..text.find(&stop).unwrap()];
-    let (ok, out, _) = run(&["run", "--max-new-tokens", "24", "--ignore-eos", "--json", "--stop", &stop]);
+    let (ok, out, _) = run(&[
+        "run",
+        "--max-new-tokens",
+        "24",
+        "--ignore-eos",
+        "--json",
+        "--stop",
+        &stop,
+    ]);
     assert!(ok);
     let s: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(s["text"].as_str().unwrap(), want);
     assert_eq!(s["stop_reason"], "stop");
     // Streamed: the prompt, then exactly the text before the stop string.
-    let (ok, out, _) = run(&["run", "--max-new-tokens", "24", "--ignore-eos", "--stop", &stop]);
+    let (ok, out, _) = run(&[
+        "run",
+        "--max-new-tokens",
+        "24",
+        "--ignore-eos",
+        "--stop",
+        &stop,
+    ]);
     assert!(ok);
     assert_eq!(out, format!("The old lighthouse{want}\n"));
 }

@@ -29,9 +29,15 @@ fn context_and_token_errors() {
     let eng = Dsv4Model::new(&m, Kernels::best()).unwrap();
     let limit = m.config.max_position_embeddings;
     let e = eng.new_cache(limit + 1).err().unwrap().to_string();
-    assert!(e.contains(&format!("{}", limit + 1)) && e.contains("max_position_embeddings"), "{e}");
+    assert!(
+        e.contains(&format!("{}", limit + 1)) && e.contains("max_position_embeddings"),
+        "{e}"
+    );
     let mut c = eng.new_cache(4).unwrap();
-    let e = eng.forward(&mut c, &[1, 2, 3, 4, 5], false).unwrap_err().to_string();
+    let e = eng
+        .forward(&mut c, &[1, 2, 3, 4, 5], false)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("5 tokens"), "{e}");
     let e = eng.forward(&mut c, &[9999], false).unwrap_err().to_string();
     assert!(e.contains("9999") && e.contains("vocab"), "{e}");
@@ -44,7 +50,10 @@ fn context_and_token_errors() {
 #[test]
 fn wrong_family_is_refused() {
     let (m, _) = fixture("tiny-llama");
-    let e = Dsv4Model::new(&m, Kernels::best()).err().unwrap().to_string();
+    let e = Dsv4Model::new(&m, Kernels::best())
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("deepseek_v4"), "{e}");
 }
 
@@ -62,17 +71,44 @@ fn rope_tables_match_transformers() {
         let v = c.dsv4.as_ref().unwrap();
         let tc = &r["transformers_config"];
         let tables = [
-            ("main", Rope::new(v.qk_rope_head_dim, c.rope_theta, &RopeScaling::None, c.max_position_embeddings)),
-            ("compress", Rope::new(v.qk_rope_head_dim, v.compress_rope_theta, &c.rope_scaling, c.max_position_embeddings)),
+            (
+                "main",
+                Rope::new(
+                    v.qk_rope_head_dim,
+                    c.rope_theta,
+                    &RopeScaling::None,
+                    c.max_position_embeddings,
+                ),
+            ),
+            (
+                "compress",
+                Rope::new(
+                    v.qk_rope_head_dim,
+                    v.compress_rope_theta,
+                    &c.rope_scaling,
+                    c.max_position_embeddings,
+                ),
+            ),
         ];
         for (kind, rope) in tables {
-            let want: Vec<f64> = tc["rope_inv_freq"][kind].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+            let want: Vec<f64> = tc["rope_inv_freq"][kind]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect();
             assert_eq!(rope.inv_freq.len(), want.len(), "{name} {kind}");
             for (i, (&got, &w)) in rope.inv_freq.iter().zip(&want).enumerate() {
-                assert!(((got as f64 - w) / w).abs() < 2e-6, "{name} {kind}: inv_freq[{i}] = {got}, transformers {w}");
+                assert!(
+                    ((got as f64 - w) / w).abs() < 2e-6,
+                    "{name} {kind}: inv_freq[{i}] = {got}, transformers {w}"
+                );
             }
             let s = tc["rope_attention_scaling"][kind].as_f64().unwrap();
-            assert_eq!(rope.attention_scaling as f64, s, "{name} {kind}: attention scaling");
+            assert_eq!(
+                rope.attention_scaling as f64, s,
+                "{name} {kind}: attention scaling"
+            );
         }
     }
 }
@@ -110,41 +146,81 @@ fn a_differently_shaped_config_runs() {
     for x in layout::expected(&cfg, Naming::Dsv4Release, false).unwrap() {
         let n: usize = x.shape.iter().product();
         let (dt, bytes): (Dtype, Vec<u8>) = match &x.kind {
-            Kind::Float if x.name.ends_with("norm.weight") => (Dtype::BF16, [0x80u8, 0x3F].repeat(n)),
+            Kind::Float if x.name.ends_with("norm.weight") => {
+                (Dtype::BF16, [0x80u8, 0x3F].repeat(n))
+            }
             // BF16 ~ ±[2^-7, 2^-4): sign, exponent 120..123, random mantissa.
-            Kind::Float => (Dtype::BF16, (0..n).flat_map(|_| {
-                let r = next();
-                let bits = ((r & 1) << 15) as u16 | ((120 + (r >> 1) % 4) as u16) << 7 | ((r >> 8) & 0x7F) as u16;
-                bits.to_le_bytes()
-            }).collect()),
+            Kind::Float => (
+                Dtype::BF16,
+                (0..n)
+                    .flat_map(|_| {
+                        let r = next();
+                        let bits = ((r & 1) << 15) as u16
+                            | ((120 + (r >> 1) % 4) as u16) << 7
+                            | ((r >> 8) & 0x7F) as u16;
+                        bits.to_le_bytes()
+                    })
+                    .collect(),
+            ),
             // E4M3 codes of magnitude below 2 (no NaN).
-            Kind::Fp8 { .. } => (Dtype::F8E4M3, (0..n).map(|_| (next() as u8) & 0xBF).collect()),
+            Kind::Fp8 { .. } => (
+                Dtype::F8E4M3,
+                (0..n).map(|_| (next() as u8) & 0xBF).collect(),
+            ),
             Kind::Fp4 { .. } => (Dtype::I8, (0..n).map(|_| next() as u8).collect()),
-            Kind::Scale { .. } => (Dtype::F8E8M0, (0..n).map(|_| 121 + (next() % 3) as u8).collect()),
-            Kind::Index => (Dtype::I64, (0..n).flat_map(|_| ((next() % 6) as i64).to_le_bytes()).collect()),
+            Kind::Scale { .. } => (
+                Dtype::F8E8M0,
+                (0..n).map(|_| 121 + (next() % 3) as u8).collect(),
+            ),
+            Kind::Index => (
+                Dtype::I64,
+                (0..n)
+                    .flat_map(|_| ((next() % 6) as i64).to_le_bytes())
+                    .collect(),
+            ),
         };
         tensors.push((x.name, dt, x.shape, bytes));
     }
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dsv4-other-shape");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("config.json"), config).unwrap();
-    let refs: Vec<(&str, Dtype, &[usize], &[u8])> =
-        tensors.iter().map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice())).collect();
+    let refs: Vec<(&str, Dtype, &[usize], &[u8])> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
+        .collect();
     std::fs::write(dir.join("model.safetensors"), write_bytes(&refs, &[])).unwrap();
     let m = ModelDir::open(&dir).unwrap();
     let planned = bespoke::plan::plan_model(&m.config).unwrap();
     let dbg = format!("{planned:?}");
-    assert!(dbg.contains("192") && dbg.contains("48"), "the plan has wq_b's 192x48 shape: {dbg}");
+    assert!(
+        dbg.contains("192") && dbg.contains("48"),
+        "the plan has wq_b's 192x48 shape: {dbg}"
+    );
     let prompt: Vec<u32> = (0..40).map(|i| (3 + i * 7 % 61) as u32).collect();
     for k in variants() {
         let eng = Dsv4Model::new(&m, k).unwrap();
         let mut full = eng.new_cache(prompt.len()).unwrap();
         let all = eng.prefill(&mut full, &prompt, 7, true).unwrap();
-        assert!(all.iter().all(|v| v.is_finite()), "{}: non-finite logits", k.isa());
+        assert!(
+            all.iter().all(|v| v.is_finite()),
+            "{}: non-finite logits",
+            k.isa()
+        );
         let mut inc = eng.new_cache(prompt.len()).unwrap();
         eng.prefill(&mut inc, &prompt[..39], 64, false).unwrap();
         let last = eng.forward(&mut inc, &prompt[39..], false).unwrap();
-        assert_eq!(&all[all.len() - 64..], &last[..], "{}: cached decode differs from recompute", k.isa());
-        assert!(argmaxes(&all, 64).iter().collect::<std::collections::BTreeSet<_>>().len() > 1);
+        assert_eq!(
+            &all[all.len() - 64..],
+            &last[..],
+            "{}: cached decode differs from recompute",
+            k.isa()
+        );
+        assert!(
+            argmaxes(&all, 64)
+                .iter()
+                .collect::<std::collections::BTreeSet<_>>()
+                .len()
+                > 1
+        );
     }
 }

@@ -39,9 +39,15 @@ fn context_and_token_errors() {
     let eng = LlamaModel::new(&m, Kernels::best()).unwrap();
     let limit = m.config.max_position_embeddings;
     let e = eng.new_cache(limit + 1).err().unwrap().to_string();
-    assert!(e.contains(&format!("{}", limit + 1)) && e.contains("max_position_embeddings"), "{e}");
+    assert!(
+        e.contains(&format!("{}", limit + 1)) && e.contains("max_position_embeddings"),
+        "{e}"
+    );
     let mut c = eng.new_cache(4).unwrap();
-    let e = eng.forward(&mut c, &[1, 2, 3, 4, 5], false).unwrap_err().to_string();
+    let e = eng
+        .forward(&mut c, &[1, 2, 3, 4, 5], false)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("5 tokens"), "{e}");
     let e = eng.forward(&mut c, &[9999], false).unwrap_err().to_string();
     assert!(e.contains("9999") && e.contains("vocab"), "{e}");
@@ -62,15 +68,34 @@ fn rope_scaling_matches_transformers() {
             "max_position_embeddings": c["max_position_embeddings"], "rope_parameters": c["rope_parameters"],
         });
         let cfg = ModelConfig::from_json("rope case", &cfg).unwrap();
-        let rope = Rope::new(hd, cfg.rope_theta, &cfg.rope_scaling, cfg.max_position_embeddings);
-        let want: Vec<f64> = c["inv_freq"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+        let rope = Rope::new(
+            hd,
+            cfg.rope_theta,
+            &cfg.rope_scaling,
+            cfg.max_position_embeddings,
+        );
+        let want: Vec<f64> = c["inv_freq"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
         assert_eq!(rope.inv_freq.len(), want.len(), "{}", c["name"]);
         for (i, (&got, &w)) in rope.inv_freq.iter().zip(&want).enumerate() {
             let rel = ((got as f64 - w) / w).abs();
-            assert!(rel < 2e-6, "{}: inv_freq[{i}] = {got}, transformers {w}", c["name"]);
+            assert!(
+                rel < 2e-6,
+                "{}: inv_freq[{i}] = {got}, transformers {w}",
+                c["name"]
+            );
         }
         let s = c["attention_scaling"].as_f64().unwrap();
-        assert!((rope.attention_scaling as f64 - s).abs() < 1e-6, "{}: attention scaling {} vs {s}", c["name"], rope.attention_scaling);
+        assert!(
+            (rope.attention_scaling as f64 - s).abs() < 1e-6,
+            "{}: attention scaling {} vs {s}",
+            c["name"],
+            rope.attention_scaling
+        );
     }
 }
 
@@ -86,10 +111,14 @@ fn real_checkpoint_is_coherent() {
         eprintln!("BESPOKE_TEST_MODEL_DIR is not set: no real checkpoint to run");
         return;
     };
-    let prompt = std::env::var("BESPOKE_TEST_PROMPT").unwrap_or_else(|_| "The capital of France is".into());
+    let prompt =
+        std::env::var("BESPOKE_TEST_PROMPT").unwrap_or_else(|_| "The capital of France is".into());
     let expect = std::env::var("BESPOKE_TEST_EXPECT").unwrap_or_else(|_| "Paris".into());
     let m = ModelDir::open(Path::new(&dir)).unwrap();
-    let tok = m.tokenizer.as_ref().expect("the checkpoint's tokenizer.json");
+    let tok = m
+        .tokenizer
+        .as_ref()
+        .expect("the checkpoint's tokenizer.json");
     let eng = LlamaModel::new(&m, Kernels::best()).unwrap();
     let ids = tok.encode(&prompt, true).unwrap();
     let opts = bespoke::generate::GenOptions {
@@ -102,5 +131,9 @@ fn real_checkpoint_is_coherent() {
     };
     let g = bespoke::generate::generate(&eng, Some(tok), &ids, &opts, |_| {}).unwrap();
     eprintln!("{prompt}{}", g.text);
-    assert!(g.text.contains(&expect), "expected {expect:?} in the continuation of {prompt:?}: {:?}", g.text);
+    assert!(
+        g.text.contains(&expect),
+        "expected {expect:?} in the continuation of {prompt:?}: {:?}",
+        g.text
+    );
 }

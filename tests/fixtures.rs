@@ -9,10 +9,19 @@ use bespoke::tokenizer::ChatMessage;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-const MODELS: &[&str] = &["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-dsv4", "tiny-dsv4-hf"];
+const MODELS: &[&str] = &[
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-qwen3-moe",
+    "tiny-dsv4",
+    "tiny-dsv4-hf",
+];
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(name)
 }
 
 fn json(path: &Path) -> Value {
@@ -30,8 +39,15 @@ fn every_fixture_loads_and_validates() {
         let m = open(name);
         // Only DeepSeek V4's MTP block (which the release ships and bespoke
         // does not run) may be left over.
-        let unknown: Vec<&str> = m.unused().into_iter().filter(|n| !n.starts_with("mtp.")).collect();
-        assert!(unknown.is_empty(), "{name}: tensors the layout does not know: {unknown:?}");
+        let unknown: Vec<&str> = m
+            .unused()
+            .into_iter()
+            .filter(|n| !n.starts_with("mtp."))
+            .collect();
+        assert!(
+            unknown.is_empty(),
+            "{name}: tensors the layout does not know: {unknown:?}"
+        );
         assert!(m.tokenizer.is_some(), "{name}: tokenizer.json");
         let families = [
             ("tiny-llama", "llama"),
@@ -53,7 +69,10 @@ fn weights_are_views_into_the_mapping() {
         let mut borrowed = 0;
         for t in m.weights.names() {
             let v = m.weights.get(t).unwrap();
-            assert!(m.weights.is_mapped(v.bytes), "{name}: {t} is not inside the file mapping");
+            assert!(
+                m.weights.is_mapped(v.bytes),
+                "{name}: {t} is not inside the file mapping"
+            );
             if v.dtype().size() == 2 && v.is_aligned() {
                 let s = v.u16s().unwrap();
                 assert!(matches!(s, std::borrow::Cow::Borrowed(_)));
@@ -71,10 +90,22 @@ fn dsv4_fixtures_cover_both_namings_and_all_attention_kinds() {
     assert_eq!(rel.naming, Naming::Dsv4Release);
     assert_eq!(hf.naming, Naming::Hf);
     let v = rel.config.dsv4.as_ref().unwrap();
-    assert!(v.fp8_dense && v.fp4_experts, "tiny-dsv4 is quantized like the release");
-    let kinds: Vec<_> = (0..rel.config.num_layers).map(|l| layout::dsv4_attn_kind(v, l)).collect();
-    for k in [layout::AttnKind::Sliding, layout::AttnKind::Csa, layout::AttnKind::Hca] {
-        assert!(kinds.contains(&k), "tiny-dsv4 has no {k:?} layer: {kinds:?}");
+    assert!(
+        v.fp8_dense && v.fp4_experts,
+        "tiny-dsv4 is quantized like the release"
+    );
+    let kinds: Vec<_> = (0..rel.config.num_layers)
+        .map(|l| layout::dsv4_attn_kind(v, l))
+        .collect();
+    for k in [
+        layout::AttnKind::Sliding,
+        layout::AttnKind::Csa,
+        layout::AttnKind::Hca,
+    ] {
+        assert!(
+            kinds.contains(&k),
+            "tiny-dsv4 has no {k:?} layer: {kinds:?}"
+        );
     }
     assert!(v.num_hash_layers >= 1 && v.num_hash_layers < rel.config.num_layers);
     assert!(v.index_n_heads >= 8);
@@ -88,7 +119,10 @@ fn dsv4_fixtures_cover_both_namings_and_all_attention_kinds() {
             continue;
         }
         let h = layout::dsv4_release_to_hf(&x.name);
-        let t = hf.weights.get(&h).unwrap_or_else(|| panic!("{} maps to {h}, absent from tiny-dsv4-hf", x.name));
+        let t = hf
+            .weights
+            .get(&h)
+            .unwrap_or_else(|| panic!("{} maps to {h}, absent from tiny-dsv4-hf", x.name));
         let r = rel.weights.get(&x.name).unwrap();
         assert_eq!(t.shape(), r.shape(), "{} / {h}", x.name);
         mapped += 1;
@@ -97,7 +131,10 @@ fn dsv4_fixtures_cover_both_namings_and_all_attention_kinds() {
     // FP4 experts: I8 [out, in/2] + E8M0 [out, in/32].
     let w = rel.weights.get("layers.0.ffn.experts.0.w1.weight").unwrap();
     let s = rel.weights.get("layers.0.ffn.experts.0.w1.scale").unwrap();
-    let (i, d) = (rel.config.moe.as_ref().unwrap().moe_intermediate_size, rel.config.hidden_size);
+    let (i, d) = (
+        rel.config.moe.as_ref().unwrap().moe_intermediate_size,
+        rel.config.hidden_size,
+    );
     assert_eq!(w.shape(), &[i, d / 2]);
     assert_eq!(s.shape(), &[i, d / 32]);
 }
@@ -112,21 +149,47 @@ fn tokenizers_match_transformers() {
         let r = json(&fixture(name).join("ref.json"));
         for p in r["prompts"].as_array().unwrap() {
             let text = p["text"].as_str().unwrap();
-            let ids: Vec<u32> = p["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-            assert_eq!(tok.encode(text, true).unwrap(), ids, "{name}: ids of {text:?}");
+            let ids: Vec<u32> = p["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            assert_eq!(
+                tok.encode(text, true).unwrap(),
+                ids,
+                "{name}: ids of {text:?}"
+            );
         }
         // Round trips and the plain-encoding cases.
         for c in cases["cases"].as_array().unwrap() {
             let text = c["text"].as_str().unwrap();
-            let ids: Vec<u32> = c["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-            assert_eq!(tok.encode(text, false).unwrap(), ids, "{name}: ids of {text:?}");
-            assert_eq!(tok.decode(&ids, false).unwrap(), text, "{name}: round trip of {text:?}");
+            let ids: Vec<u32> = c["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            assert_eq!(
+                tok.encode(text, false).unwrap(),
+                ids,
+                "{name}: ids of {text:?}"
+            );
+            assert_eq!(
+                tok.decode(&ids, false).unwrap(),
+                text,
+                "{name}: round trip of {text:?}"
+            );
         }
         let chat = &cases["chat"];
         let messages: Vec<ChatMessage> = serde_json::from_value(chat["messages"].clone()).unwrap();
         let rendered = tok
             .apply_chat_template(&messages, chat["add_generation_prompt"].as_bool().unwrap())
             .unwrap();
-        assert_eq!(rendered, chat["rendered"].as_str().unwrap(), "{name}: chat template");
+        assert_eq!(
+            rendered,
+            chat["rendered"].as_str().unwrap(),
+            "{name}: chat template"
+        );
     }
 }

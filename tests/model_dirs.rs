@@ -13,7 +13,9 @@ use std::path::{Path, PathBuf};
 
 /// A fresh empty directory under the target dir, unique per test case.
 fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("model_dirs").join(name);
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("model_dirs")
+        .join(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
@@ -64,8 +66,10 @@ fn tensors_for(config: &str, naming: Naming) -> Vec<(String, Dtype, Vec<usize>, 
 }
 
 fn write_file(path: &Path, tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)]) {
-    let refs: Vec<(&str, Dtype, &[usize], &[u8])> =
-        tensors.iter().map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice())).collect();
+    let refs: Vec<(&str, Dtype, &[usize], &[u8])> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
+        .collect();
     std::fs::write(path, safetensors::write_bytes(&refs, &[("format", "pt")])).unwrap();
 }
 
@@ -90,7 +94,11 @@ fn expect_error(dir: &Path, needles: &[&str]) -> ModelError {
     let err = ModelDir::open(dir).expect_err("a broken model directory must not load");
     let msg = err.to_string();
     for n in needles {
-        assert!(msg.contains(n), "error for {} should mention {n:?}; got: {msg}", dir.display());
+        assert!(
+            msg.contains(n),
+            "error for {} should mention {n:?}; got: {msg}",
+            dir.display()
+        );
     }
     err
 }
@@ -123,22 +131,61 @@ fn dsv4_release_names_map_to_transformers_names() {
         ("norm.weight", "model.norm.weight"),
         ("hc_head_fn", "model.hc_head.hc_fn"),
         ("hc_head_scale", "model.hc_head.hc_scale"),
-        ("layers.7.attn_norm.weight", "model.layers.7.input_layernorm.weight"),
-        ("layers.7.ffn_norm.weight", "model.layers.7.post_attention_layernorm.weight"),
+        (
+            "layers.7.attn_norm.weight",
+            "model.layers.7.input_layernorm.weight",
+        ),
+        (
+            "layers.7.ffn_norm.weight",
+            "model.layers.7.post_attention_layernorm.weight",
+        ),
         ("layers.7.hc_attn_fn", "model.layers.7.attn_hc.fn"),
         ("layers.7.hc_ffn_base", "model.layers.7.ffn_hc.base"),
-        ("layers.7.attn.wq_a.weight", "model.layers.7.self_attn.q_a_proj.weight"),
-        ("layers.7.attn.wq_a.scale", "model.layers.7.self_attn.q_a_proj.weight_scale_inv"),
-        ("layers.7.attn.q_norm.weight", "model.layers.7.self_attn.q_a_norm.weight"),
-        ("layers.7.attn.wq_b.weight", "model.layers.7.self_attn.q_b_proj.weight"),
-        ("layers.7.attn.wkv.weight", "model.layers.7.self_attn.kv_proj.weight"),
-        ("layers.7.attn.wo_a.weight", "model.layers.7.self_attn.o_a_proj.weight"),
-        ("layers.7.attn.wo_b.scale", "model.layers.7.self_attn.o_b_proj.weight_scale_inv"),
+        (
+            "layers.7.attn.wq_a.weight",
+            "model.layers.7.self_attn.q_a_proj.weight",
+        ),
+        (
+            "layers.7.attn.wq_a.scale",
+            "model.layers.7.self_attn.q_a_proj.weight_scale_inv",
+        ),
+        (
+            "layers.7.attn.q_norm.weight",
+            "model.layers.7.self_attn.q_a_norm.weight",
+        ),
+        (
+            "layers.7.attn.wq_b.weight",
+            "model.layers.7.self_attn.q_b_proj.weight",
+        ),
+        (
+            "layers.7.attn.wkv.weight",
+            "model.layers.7.self_attn.kv_proj.weight",
+        ),
+        (
+            "layers.7.attn.wo_a.weight",
+            "model.layers.7.self_attn.o_a_proj.weight",
+        ),
+        (
+            "layers.7.attn.wo_b.scale",
+            "model.layers.7.self_attn.o_b_proj.weight_scale_inv",
+        ),
         ("layers.7.attn.attn_sink", "model.layers.7.self_attn.sinks"),
-        ("layers.7.attn.compressor.wkv.weight", "model.layers.7.self_attn.compressor.kv_proj.weight"),
-        ("layers.7.attn.compressor.ape", "model.layers.7.self_attn.compressor.position_bias"),
-        ("layers.7.attn.compressor.norm.weight", "model.layers.7.self_attn.compressor.kv_norm.weight"),
-        ("layers.7.attn.indexer.wq_b.weight", "model.layers.7.self_attn.compressor.indexer.q_b_proj.weight"),
+        (
+            "layers.7.attn.compressor.wkv.weight",
+            "model.layers.7.self_attn.compressor.kv_proj.weight",
+        ),
+        (
+            "layers.7.attn.compressor.ape",
+            "model.layers.7.self_attn.compressor.position_bias",
+        ),
+        (
+            "layers.7.attn.compressor.norm.weight",
+            "model.layers.7.self_attn.compressor.kv_norm.weight",
+        ),
+        (
+            "layers.7.attn.indexer.wq_b.weight",
+            "model.layers.7.self_attn.compressor.indexer.q_b_proj.weight",
+        ),
         (
             "layers.7.attn.indexer.weights_proj.weight",
             "model.layers.7.self_attn.compressor.indexer.scorer.weights_proj.weight",
@@ -147,16 +194,38 @@ fn dsv4_release_names_map_to_transformers_names() {
             "layers.7.attn.indexer.compressor.wgate.weight",
             "model.layers.7.self_attn.compressor.indexer.gate_proj.weight",
         ),
-        ("layers.7.attn.indexer.compressor.ape", "model.layers.7.self_attn.compressor.indexer.position_bias"),
+        (
+            "layers.7.attn.indexer.compressor.ape",
+            "model.layers.7.self_attn.compressor.indexer.position_bias",
+        ),
         ("layers.7.ffn.gate.weight", "model.layers.7.mlp.gate.weight"),
-        ("layers.7.ffn.gate.bias", "model.layers.7.mlp.gate.e_score_correction_bias"),
-        ("layers.7.ffn.gate.tid2eid", "model.layers.7.mlp.gate.tid2eid"),
-        ("layers.7.ffn.shared_experts.w1.weight", "model.layers.7.mlp.shared_experts.gate_proj.weight"),
-        ("layers.7.ffn.shared_experts.w2.scale", "model.layers.7.mlp.shared_experts.down_proj.weight_scale_inv"),
-        ("layers.7.ffn.shared_experts.w3.weight", "model.layers.7.mlp.shared_experts.up_proj.weight"),
+        (
+            "layers.7.ffn.gate.bias",
+            "model.layers.7.mlp.gate.e_score_correction_bias",
+        ),
+        (
+            "layers.7.ffn.gate.tid2eid",
+            "model.layers.7.mlp.gate.tid2eid",
+        ),
+        (
+            "layers.7.ffn.shared_experts.w1.weight",
+            "model.layers.7.mlp.shared_experts.gate_proj.weight",
+        ),
+        (
+            "layers.7.ffn.shared_experts.w2.scale",
+            "model.layers.7.mlp.shared_experts.down_proj.weight_scale_inv",
+        ),
+        (
+            "layers.7.ffn.shared_experts.w3.weight",
+            "model.layers.7.mlp.shared_experts.up_proj.weight",
+        ),
     ];
     for (release, hf) in cases {
-        assert_eq!(layout::dsv4_release_to_hf(release), hf, "mapping of {release}");
+        assert_eq!(
+            layout::dsv4_release_to_hf(release),
+            hf,
+            "mapping of {release}"
+        );
     }
 }
 
@@ -171,14 +240,23 @@ fn dsv4_transformers_naming_loads_with_fused_experts() {
     let d = valid_dir("valid-dsv4-hf", &cfg, Naming::Hf);
     let m = ModelDir::open(&d).unwrap();
     assert_eq!(m.naming, Naming::Hf);
-    let gu = m.weights.get("model.layers.1.mlp.experts.gate_up_proj").unwrap();
+    let gu = m
+        .weights
+        .get("model.layers.1.mlp.experts.gate_up_proj")
+        .unwrap();
     assert_eq!(gu.shape(), &[4, 64, 64]);
-    assert!(m.weights.contains("model.layers.1.self_attn.compressor.indexer.scorer.weights_proj.weight"));
+    assert!(m
+        .weights
+        .contains("model.layers.1.self_attn.compressor.indexer.scorer.weights_proj.weight"));
     // Every release name (other than per-expert ones) has its HF twin here.
     let parsed = ModelConfig::from_json_str("c", &cfg).unwrap();
     for x in layout::expected(&parsed, Naming::Dsv4Release, false).unwrap() {
         if !x.name.contains(".experts.") {
-            assert!(m.weights.contains(&layout::dsv4_release_to_hf(&x.name)), "{}", x.name);
+            assert!(
+                m.weights.contains(&layout::dsv4_release_to_hf(&x.name)),
+                "{}",
+                x.name
+            );
         }
     }
 }
@@ -189,10 +267,19 @@ fn views_point_into_the_mapping() {
     let m = ModelDir::open(&d).unwrap();
     for name in m.weights.names() {
         let t = m.weights.get(name).unwrap();
-        assert!(m.weights.is_mapped(t.bytes), "{name} is not a view into the file mapping");
-        assert!(t.is_aligned(), "{name}: 8-aligned data section, 2-byte elements");
+        assert!(
+            m.weights.is_mapped(t.bytes),
+            "{name} is not a view into the file mapping"
+        );
+        assert!(
+            t.is_aligned(),
+            "{name}: 8-aligned data section, 2-byte elements"
+        );
         let v = t.u16s().unwrap();
-        assert!(matches!(v, std::borrow::Cow::Borrowed(_)), "{name}: aligned BF16 must be borrowed, not copied");
+        assert!(
+            matches!(v, std::borrow::Cow::Borrowed(_)),
+            "{name}: aligned BF16 must be borrowed, not copied"
+        );
         assert!(m.weights.is_mapped(bytemuck::cast_slice::<u16, u8>(&v)));
     }
 }
@@ -202,7 +289,10 @@ fn unaligned_tensors_are_copied_not_misread() {
     // A 1-byte tensor first puts the F32 one at an odd offset.
     let dir = scratch("unaligned");
     let bytes = safetensors::write_bytes(
-        &[("a", Dtype::U8, &[1], &[7]), ("b", Dtype::F32, &[2], &[0, 0, 128, 63, 0, 0, 0, 64])],
+        &[
+            ("a", Dtype::U8, &[1], &[7]),
+            ("b", Dtype::F32, &[2], &[0, 0, 128, 63, 0, 0, 0, 64]),
+        ],
         &[],
     );
     let p = dir.join("x.safetensors");
@@ -221,50 +311,186 @@ fn malformed_headers() {
     let data = [0u8; 8];
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
         ("too short", vec![1, 2, 3], "too short"),
-        ("header past end", {
-            let mut v = raw(good, &data);
-            v[..8].copy_from_slice(&1000u64.to_le_bytes());
-            v
-        }, "runs past the end of the file"),
-        ("header too large", {
-            let mut v = raw(good, &data);
-            v[..8].copy_from_slice(&(1u64 << 40).to_le_bytes());
-            v
-        }, "larger than"),
-        ("invalid json", raw(r#"{"t": {"dtype": "F32", "#, &data), "not valid JSON"),
-        ("not utf8", {
-            let mut v = raw("{\"x\": 1}", &data);
-            v[10] = 0xFF;
-            v
-        }, "UTF-8"),
+        (
+            "header past end",
+            {
+                let mut v = raw(good, &data);
+                v[..8].copy_from_slice(&1000u64.to_le_bytes());
+                v
+            },
+            "runs past the end of the file",
+        ),
+        (
+            "header too large",
+            {
+                let mut v = raw(good, &data);
+                v[..8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+                v
+            },
+            "larger than",
+        ),
+        (
+            "invalid json",
+            raw(r#"{"t": {"dtype": "F32", "#, &data),
+            "not valid JSON",
+        ),
+        (
+            "not utf8",
+            {
+                let mut v = raw("{\"x\": 1}", &data);
+                v[10] = 0xFF;
+                v
+            },
+            "UTF-8",
+        ),
         ("array header", raw("[1,2]", &data), "must be a JSON object"),
-        ("entry not object", raw(r#"{"t": 5}"#, &data), "expected an object"),
-        ("dtype number", raw(r#"{"t":{"dtype":4,"shape":[2],"data_offsets":[0,8]}}"#, &data), "dtype must be a string"),
-        ("shape string", raw(r#"{"t":{"dtype":"F32","shape":"2","data_offsets":[0,8]}}"#, &data), "shape must be an array"),
-        ("shape negative", raw(r#"{"t":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}}"#, &data), "negative"),
-        ("offset negative", raw(r#"{"t":{"dtype":"F32","shape":[2],"data_offsets":[-8,0]}}"#, &data), "negative"),
-        ("offset fractional", raw(r#"{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,7.5]}}"#, &data), "not an integer"),
-        ("offset overflowing", raw(r#"{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,1e30]}}"#, &data), "not an integer"),
-        ("offset beyond u64", raw(r#"{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,18446744073709551616]}}"#, &data), "not an integer"),
-        ("offsets reversed", raw(r#"{"t":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}}"#, &data), "end before they begin"),
-        ("three offsets", raw(r#"{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,4,8]}}"#, &data), "[begin, end]"),
-        ("out of file", raw(r#"{"t":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#, &data), "past the end of the data"),
-        ("shape x dtype mismatch", raw(r#"{"t":{"dtype":"BF16","shape":[2],"data_offsets":[0,8]}}"#, &data), "needs 4 bytes"),
-        ("shape overflow", raw(r#"{"t":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,8]}}"#, &data), "more elements than fit"),
-        ("unknown dtype", raw(r#"{"t":{"dtype":"Q4_K","shape":[2],"data_offsets":[0,8]}}"#, &data), "unknown dtype \"Q4_K\""),
-        ("overlap", raw(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#, &data), "overlap"),
-        ("metadata not strings", raw(r#"{"__metadata__":{"format":1}}"#, &data), "__metadata__"),
-        ("missing offsets", raw(r#"{"t":{"dtype":"F32","shape":[2]}}"#, &data), "no data_offsets"),
+        (
+            "entry not object",
+            raw(r#"{"t": 5}"#, &data),
+            "expected an object",
+        ),
+        (
+            "dtype number",
+            raw(
+                r#"{"t":{"dtype":4,"shape":[2],"data_offsets":[0,8]}}"#,
+                &data,
+            ),
+            "dtype must be a string",
+        ),
+        (
+            "shape string",
+            raw(
+                r#"{"t":{"dtype":"F32","shape":"2","data_offsets":[0,8]}}"#,
+                &data,
+            ),
+            "shape must be an array",
+        ),
+        (
+            "shape negative",
+            raw(
+                r#"{"t":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}}"#,
+                &data,
+            ),
+            "negative",
+        ),
+        (
+            "offset negative",
+            raw(
+                r#"{"t":{"dtype":"F32","shape":[2],"data_offsets":[-8,0]}}"#,
+                &data,
+            ),
+            "negative",
+        ),
+        (
+            "offset fractional",
+            raw(
+                r#"{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,7.5]}}"#,
+                &data,
+            ),
+            "not an integer",
+        ),
+        (
+            "offset overflowing",
+            raw(
+                r#"{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,1e30]}}"#,
+                &data,
+            ),
+            "not an integer",
+        ),
+        (
+            "offset beyond u64",
+            raw(
+                r#"{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,18446744073709551616]}}"#,
+                &data,
+            ),
+            "not an integer",
+        ),
+        (
+            "offsets reversed",
+            raw(
+                r#"{"t":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}}"#,
+                &data,
+            ),
+            "end before they begin",
+        ),
+        (
+            "three offsets",
+            raw(
+                r#"{"t":{"dtype":"F32","shape":[2],"data_offsets":[0,4,8]}}"#,
+                &data,
+            ),
+            "[begin, end]",
+        ),
+        (
+            "out of file",
+            raw(
+                r#"{"t":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#,
+                &data,
+            ),
+            "past the end of the data",
+        ),
+        (
+            "shape x dtype mismatch",
+            raw(
+                r#"{"t":{"dtype":"BF16","shape":[2],"data_offsets":[0,8]}}"#,
+                &data,
+            ),
+            "needs 4 bytes",
+        ),
+        (
+            "shape overflow",
+            raw(
+                r#"{"t":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,8]}}"#,
+                &data,
+            ),
+            "more elements than fit",
+        ),
+        (
+            "unknown dtype",
+            raw(
+                r#"{"t":{"dtype":"Q4_K","shape":[2],"data_offsets":[0,8]}}"#,
+                &data,
+            ),
+            "unknown dtype \"Q4_K\"",
+        ),
+        (
+            "overlap",
+            raw(
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+                &data,
+            ),
+            "overlap",
+        ),
+        (
+            "metadata not strings",
+            raw(r#"{"__metadata__":{"format":1}}"#, &data),
+            "__metadata__",
+        ),
+        (
+            "missing offsets",
+            raw(r#"{"t":{"dtype":"F32","shape":[2]}}"#, &data),
+            "no data_offsets",
+        ),
     ];
     for (what, bytes, needle) in cases {
         let err = parse_header(&bytes).expect_err(what);
-        assert!(err.to_string().contains(needle), "{what}: expected {needle:?} in: {err}");
+        assert!(
+            err.to_string().contains(needle),
+            "{what}: expected {needle:?} in: {err}"
+        );
     }
     assert!(parse_header(&raw(good, &data)).is_ok());
     // Through the file API the message names the file.
     let dir = scratch("bad-header");
     std::fs::write(dir.join("config.json"), TINY_LLAMA).unwrap();
-    std::fs::write(dir.join("model.safetensors"), raw(r#"{"t":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#, &data)).unwrap();
+    std::fs::write(
+        dir.join("model.safetensors"),
+        raw(
+            r#"{"t":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#,
+            &data,
+        ),
+    )
+    .unwrap();
     expect_error(&dir, &["model.safetensors", "tensor \"t\"", "past the end"]);
 }
 
@@ -273,8 +499,10 @@ fn malformed_headers() {
 fn mutated_headers_never_panic() {
     let cfg = TINY_LLAMA;
     let tensors = tensors_for(cfg, Naming::Hf);
-    let refs: Vec<(&str, Dtype, &[usize], &[u8])> =
-        tensors.iter().map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice())).collect();
+    let refs: Vec<(&str, Dtype, &[usize], &[u8])> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.as_str(), *d, s.as_slice(), b.as_slice()))
+        .collect();
     let base = safetensors::write_bytes(&refs, &[]);
     let header_end = 8 + u64::from_le_bytes(base[..8].try_into().unwrap()) as usize;
     let mut rng = Rng(42);
@@ -296,7 +524,10 @@ fn mutated_headers_never_panic() {
             errors += 1;
         }
     }
-    assert!(errors > 10_000, "most corruptions must be caught ({errors} of 20000)");
+    assert!(
+        errors > 10_000,
+        "most corruptions must be caught ({errors} of 20000)"
+    );
 }
 
 #[test]
@@ -308,7 +539,14 @@ fn broken_directories() {
     let mut t = tensors_for(TINY_LLAMA, Naming::Hf);
     t.retain(|(n, ..)| n != "model.layers.0.self_attn.k_proj.weight");
     write_file(&d.join("model.safetensors"), &t);
-    expect_error(&d, &["model.layers.0.self_attn.k_proj.weight", "missing", "[8, 16]"]);
+    expect_error(
+        &d,
+        &[
+            "model.layers.0.self_attn.k_proj.weight",
+            "missing",
+            "[8, 16]",
+        ],
+    );
 
     // Misshapen and wrongly typed tensors: expected and found both named.
     let d = scratch("misshapen");
@@ -325,7 +563,15 @@ fn broken_directories() {
         }
     }
     write_file(&d.join("model.safetensors"), &t);
-    let e = expect_error(&d, &["model.layers.0.mlp.up_proj.weight", "[24, 16]", "found BF16 [16, 24]", "1 more"]);
+    let e = expect_error(
+        &d,
+        &[
+            "model.layers.0.mlp.up_proj.weight",
+            "[24, 16]",
+            "found BF16 [16, 24]",
+            "1 more",
+        ],
+    );
     assert!(matches!(e, ModelError::TensorMismatch { .. }));
 
     // FP8 weight whose scale has the wrong block count.
@@ -339,7 +585,14 @@ fn broken_directories() {
         }
     }
     write_file(&d.join("model.safetensors"), &t);
-    expect_error(&d, &["layers.0.attn.wq_b.scale", "F8_E8M0 [1, 1]", "found F8_E8M0 [2, 1]"]);
+    expect_error(
+        &d,
+        &[
+            "layers.0.attn.wq_b.scale",
+            "F8_E8M0 [1, 1]",
+            "found F8_E8M0 [2, 1]",
+        ],
+    );
 
     // A token → expert table naming an expert that does not exist.
     let d = scratch("bad-tid2eid");
@@ -351,7 +604,14 @@ fn broken_directories() {
         }
     }
     write_file(&d.join("model.safetensors"), &t);
-    expect_error(&d, &["layers.0.ffn.gate.tid2eid", "expert ids in 0..4", "found 4 at [2, 1]"]);
+    expect_error(
+        &d,
+        &[
+            "layers.0.ffn.gate.tid2eid",
+            "expert ids in 0..4",
+            "found 4 at [2, 1]",
+        ],
+    );
 
     // No weights at all.
     let d = scratch("no-weights");
@@ -363,11 +623,31 @@ fn broken_directories() {
 
     // config.json: NaN, a string where a number belongs, unknown model type, missing.
     for (name, cfg, needles) in [
-        ("nan", TINY_LLAMA.replace("16,", "NaN,"), vec!["config.json", "not valid JSON", "NaN"]),
-        ("string", TINY_LLAMA.replace("\"hidden_size\": 16", "\"hidden_size\": \"16\""), vec!["hidden_size", "string"]),
-        ("fraction", TINY_LLAMA.replace("\"hidden_size\": 16", "\"hidden_size\": 16.5"), vec!["hidden_size", "16.5"]),
-        ("unknown-type", TINY_LLAMA.replace("\"llama\"", "\"gpt_neox\""), vec!["unknown model type \"gpt_neox\""]),
-        ("heads", TINY_LLAMA.replace("\"num_key_value_heads\": 1", "\"num_key_value_heads\": 3"), vec!["num_key_value_heads", "does not divide"]),
+        (
+            "nan",
+            TINY_LLAMA.replace("16,", "NaN,"),
+            vec!["config.json", "not valid JSON", "NaN"],
+        ),
+        (
+            "string",
+            TINY_LLAMA.replace("\"hidden_size\": 16", "\"hidden_size\": \"16\""),
+            vec!["hidden_size", "string"],
+        ),
+        (
+            "fraction",
+            TINY_LLAMA.replace("\"hidden_size\": 16", "\"hidden_size\": 16.5"),
+            vec!["hidden_size", "16.5"],
+        ),
+        (
+            "unknown-type",
+            TINY_LLAMA.replace("\"llama\"", "\"gpt_neox\""),
+            vec!["unknown model type \"gpt_neox\""],
+        ),
+        (
+            "heads",
+            TINY_LLAMA.replace("\"num_key_value_heads\": 1", "\"num_key_value_heads\": 3"),
+            vec!["num_key_value_heads", "does not divide"],
+        ),
     ] {
         let d = scratch(&format!("config-{name}"));
         std::fs::write(d.join("config.json"), cfg).unwrap();
@@ -382,9 +662,17 @@ fn broken_directories() {
     let d = valid_dir("bad-generation", TINY_LLAMA, Naming::Hf);
     std::fs::write(d.join("generation_config.json"), r#"{"top_p": 1.5}"#).unwrap();
     expect_error(&d, &["generation_config.json", "top_p"]);
-    std::fs::write(d.join("generation_config.json"), r#"{"eos_token_id": [2, 99]}"#).unwrap();
+    std::fs::write(
+        d.join("generation_config.json"),
+        r#"{"eos_token_id": [2, 99]}"#,
+    )
+    .unwrap();
     expect_error(&d, &["generation_config.json", "eos_token_id"]);
-    std::fs::write(d.join("generation_config.json"), r#"{"eos_token_id": [2, 3], "temperature": 0.7}"#).unwrap();
+    std::fs::write(
+        d.join("generation_config.json"),
+        r#"{"eos_token_id": [2, 3], "temperature": 0.7}"#,
+    )
+    .unwrap();
     let m = ModelDir::open(&d).unwrap();
     assert_eq!(m.generation.unwrap().eos_token_ids, vec![2, 3]);
 
@@ -410,12 +698,21 @@ fn sharded_checkpoints() {
     let t = tensors_for(TINY_LLAMA, Naming::Hf);
     let (first, second) = t.split_at(t.len() / 2);
     let index = |map: &[(String, String)]| {
-        let m: serde_json::Map<String, serde_json::Value> =
-            map.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone()))).collect();
+        let m: serde_json::Map<String, serde_json::Value> = map
+            .iter()
+            .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+            .collect();
         serde_json::json!({"metadata": {"total_size": 0}, "weight_map": m}).to_string()
     };
-    let mut map: Vec<(String, String)> = first.iter().map(|x| (x.0.clone(), "model-00001-of-00002.safetensors".into())).collect();
-    map.extend(second.iter().map(|x| (x.0.clone(), "model-00002-of-00002.safetensors".into())));
+    let mut map: Vec<(String, String)> = first
+        .iter()
+        .map(|x| (x.0.clone(), "model-00001-of-00002.safetensors".into()))
+        .collect();
+    map.extend(
+        second
+            .iter()
+            .map(|x| (x.0.clone(), "model-00002-of-00002.safetensors".into())),
+    );
 
     let d = scratch("sharded");
     std::fs::write(d.join("config.json"), TINY_LLAMA).unwrap();
@@ -428,7 +725,14 @@ fn sharded_checkpoints() {
 
     // A missing shard.
     std::fs::remove_file(d.join("model-00002-of-00002.safetensors")).unwrap();
-    expect_error(&d, &["model.safetensors.index.json", "model-00002-of-00002.safetensors", "missing"]);
+    expect_error(
+        &d,
+        &[
+            "model.safetensors.index.json",
+            "model-00002-of-00002.safetensors",
+            "missing",
+        ],
+    );
 
     // A shard path that escapes the directory.
     let d2 = scratch("escape");
@@ -436,7 +740,10 @@ fn sharded_checkpoints() {
     let mut bad = map.clone();
     bad[0].1 = "../sharded/model-00001-of-00002.safetensors".into();
     std::fs::write(d2.join("model.safetensors.index.json"), index(&bad)).unwrap();
-    expect_error(&d2, &["../sharded", "not a file name inside the model directory"]);
+    expect_error(
+        &d2,
+        &["../sharded", "not a file name inside the model directory"],
+    );
     bad[0].1 = "/etc/passwd".into();
     std::fs::write(d2.join("model.safetensors.index.json"), index(&bad)).unwrap();
     expect_error(&d2, &["/etc/passwd", "not a file name inside"]);
@@ -451,7 +758,11 @@ fn sharded_checkpoints() {
     lies[last].1 = "model-00001-of-00002.safetensors".into();
     std::fs::write(d3.join("model.safetensors.index.json"), index(&lies)).unwrap();
     expect_error(&d3, &["does not hold it"]);
-    std::fs::write(d3.join("model.safetensors.index.json"), "{\"weight_map\": [1]}").unwrap();
+    std::fs::write(
+        d3.join("model.safetensors.index.json"),
+        "{\"weight_map\": [1]}",
+    )
+    .unwrap();
     expect_error(&d3, &["weight_map"]);
 }
 
@@ -465,9 +776,18 @@ fn header_errors_are_typed() {
 /// (its attention, norms, projections, shared and 256 / 384 routed experts).
 #[test]
 fn dsv4_layout_matches_the_released_inventories() {
-    let flash = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/configs/deepseek-v4-flash.json")).unwrap();
+    let flash = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/fixtures/configs/deepseek-v4-flash.json"
+    ))
+    .unwrap();
     let cfg = ModelConfig::from_json_str("flash", &flash).unwrap();
-    assert_eq!(layout::expected(&cfg, Naming::Dsv4Release, false).unwrap().len(), 69_187 - 1_575);
+    assert_eq!(
+        layout::expected(&cfg, Naming::Dsv4Release, false)
+            .unwrap()
+            .len(),
+        69_187 - 1_575
+    );
     let mut ratios = vec![128, 128];
     for _ in 0..29 {
         ratios.extend([4, 128]);
@@ -483,8 +803,14 @@ fn dsv4_layout_matches_the_released_inventories() {
     let cfg = ModelConfig::from_json_str("pro", &pro).unwrap();
     let x = layout::expected(&cfg, Naming::Dsv4Release, false).unwrap();
     assert_eq!(x.len(), 145_116 - 2_343);
-    let w1 = x.iter().find(|e| e.name == "layers.5.ffn.experts.383.w1.weight").unwrap();
+    let w1 = x
+        .iter()
+        .find(|e| e.name == "layers.5.ffn.experts.383.w1.weight")
+        .unwrap();
     assert_eq!(w1.shape, vec![3072, 3584]);
-    let s = x.iter().find(|e| e.name == "layers.5.attn.wo_a.scale").unwrap();
+    let s = x
+        .iter()
+        .find(|e| e.name == "layers.5.attn.wo_a.scale")
+        .unwrap();
     assert_eq!(s.shape, vec![128, 32]);
 }

@@ -254,10 +254,15 @@ fn malformed_configs_give_clear_errors() {
 fn fp4_matrices_need_whole_scale_blocks() {
     // hidden 4100 is not a multiple of 32: the FP4 experts cannot be stored,
     // and the config is refused naming the field.
-    let e = err(r#"{"model_type": "deepseek_v4", "num_hidden_layers": 2, "compress_ratios": [0, 4],
+    let e = err(
+        r#"{"model_type": "deepseek_v4", "num_hidden_layers": 2, "compress_ratios": [0, 4],
         "hidden_size": 4100, "expert_dtype": "fp4",
-        "quantization_config": {"fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}}"#);
-    assert!(e.contains("hidden_size") && e.contains("multiple of 32"), "{e}");
+        "quantization_config": {"fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}}"#,
+    );
+    assert!(
+        e.contains("hidden_size") && e.contains("multiple of 32"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -274,19 +279,25 @@ fn missing_config_file_names_the_path() {
 #[test]
 fn rope_scaling_and_token_ids() {
     use bespoke::plan::config::RopeScaling;
-    let c = cfg(r#"{"model_type": "llama", "vocab_size": 100, "bos_token_id": 1, "eos_token_id": [2, 7],
+    let c = cfg(
+        r#"{"model_type": "llama", "vocab_size": 100, "bos_token_id": 1, "eos_token_id": [2, 7],
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}"#)
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}"#,
+    )
     .unwrap();
     assert_eq!(c.bos_token_id, Some(1));
     assert_eq!(c.eos_token_ids, vec![2, 7]);
     assert!(matches!(c.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 8.0));
     // transformers 5 spelling.
-    let c = cfg(r#"{"model_type": "qwen3", "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
-        "rope_theta": 1000000.0, "original_max_position_embeddings": 32768}}"#)
+    let c = cfg(
+        r#"{"model_type": "qwen3", "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+        "rope_theta": 1000000.0, "original_max_position_embeddings": 32768}}"#,
+    )
     .unwrap();
     assert_eq!(c.rope_theta, 1e6);
-    assert!(matches!(c.rope_scaling, RopeScaling::Yarn { factor, beta_fast, .. } if factor == 4.0 && beta_fast == 32.0));
+    assert!(
+        matches!(c.rope_scaling, RopeScaling::Yarn { factor, beta_fast, .. } if factor == 4.0 && beta_fast == 32.0)
+    );
     // deepseek_v4 in transformers 5: main / compress tables; scaling is the compress one.
     let c = cfg(r#"{"model_type": "deepseek_v4", "num_hidden_layers": 2, "head_dim": 512,
         "layer_types": ["sliding_attention", "heavily_compressed_attention"],
@@ -296,12 +307,30 @@ fn rope_scaling_and_token_ids() {
     .unwrap();
     assert_eq!(c.rope_theta, 10000.0);
     assert_eq!(c.dsv4.as_ref().unwrap().qk_rope_head_dim, 64);
-    assert!(matches!(c.rope_scaling, RopeScaling::Yarn { original_max_position_embeddings: 65536, .. }));
+    assert!(matches!(
+        c.rope_scaling,
+        RopeScaling::Yarn {
+            original_max_position_embeddings: 65536,
+            ..
+        }
+    ));
     for (json, needles) in [
-        (r#"{"model_type": "llama", "rope_scaling": {"rope_type": "longrope"}}"#, &["rope_scaling.rope_type", "longrope"][..]),
-        (r#"{"model_type": "llama", "rope_scaling": {"rope_type": "linear"}}"#, &["rope_scaling.factor", "missing"][..]),
-        (r#"{"model_type": "llama", "vocab_size": 10, "eos_token_id": 10}"#, &["eos_token_id", "0..=9"][..]),
-        (r#"{"model_type": "llama", "hidden_size": 60, "num_attention_heads": 4}"#, &["head_dim", "odd"][..]),
+        (
+            r#"{"model_type": "llama", "rope_scaling": {"rope_type": "longrope"}}"#,
+            &["rope_scaling.rope_type", "longrope"][..],
+        ),
+        (
+            r#"{"model_type": "llama", "rope_scaling": {"rope_type": "linear"}}"#,
+            &["rope_scaling.factor", "missing"][..],
+        ),
+        (
+            r#"{"model_type": "llama", "vocab_size": 10, "eos_token_id": 10}"#,
+            &["eos_token_id", "0..=9"][..],
+        ),
+        (
+            r#"{"model_type": "llama", "hidden_size": 60, "num_attention_heads": 4}"#,
+            &["head_dim", "odd"][..],
+        ),
     ] {
         let e = err(json);
         for n in needles {

@@ -197,7 +197,8 @@ fn run(cli: Cli) -> Result<(), String> {
             if json {
                 println!(
                     "{}",
-                    serde_json::to_string_pretty(&bespoke::inspect::json(&m)).map_err(|e| e.to_string())?
+                    serde_json::to_string_pretty(&bespoke::inspect::json(&m))
+                        .map_err(|e| e.to_string())?
                 );
             } else {
                 print!("{}", bespoke::inspect::text(&m, brief));
@@ -205,11 +206,26 @@ fn run(cli: Cli) -> Result<(), String> {
             Ok(())
         }
         Command::Bench {
-            what: BenchWhat::E2e { model, prompt_len, gen, chunk, threads: t, quick, json },
+            what:
+                BenchWhat::E2e {
+                    model,
+                    prompt_len,
+                    gen,
+                    chunk,
+                    threads: t,
+                    quick,
+                    json,
+                },
         } => {
             let n = threads::resolve(t)?;
             let dir = model.unwrap_or_else(bespoke::commands::default_model);
-            let opts = bespoke::bench_e2e::E2eOptions { prompt_len, gen, threads: n, quick, chunk };
+            let opts = bespoke::bench_e2e::E2eOptions {
+                prompt_len,
+                gen,
+                threads: n,
+                quick,
+                chunk,
+            };
             let r = bespoke::bench_e2e::e2e(&dir, &opts)?;
             if let Some(path) = json {
                 let text = serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?;

@@ -20,7 +20,7 @@
 //! token's own values in a fixed order, so decoding token by token through
 //! [`Dsv4Cache`] gives bit for bit the logits of a full recompute.
 
-use super::{rms_norm, silu, vector, EngineError, Mat, Rope};
+use super::{rms_norm, vector, EngineError, Mat, Rope};
 use crate::kernels::{AttnArgs, Kernels};
 use crate::model::layout::{dsv4_attn_kind, dsv4_release_to_hf, AttnKind, Naming};
 use crate::model::ModelDir;
@@ -36,7 +36,11 @@ struct IRope {
 impl IRope {
     fn new(dim: usize, theta: f64, scaling: &RopeScaling, max_pos: usize) -> IRope {
         let r = Rope::new(dim, theta, scaling, max_pos);
-        IRope { dim, inv_freq: r.inv_freq, scaling: r.attention_scaling }
+        IRope {
+            dim,
+            inv_freq: r.inv_freq,
+            scaling: r.attention_scaling,
+        }
     }
 
     /// (cos, sin) of each pair at `pos`, as transformers computes them: the
@@ -223,11 +227,23 @@ impl CompState {
     /// at once: entry w is visible to queries at positions ≥ (w+1)·ratio − 1,
     /// the token that closes it included (transformers' causal bound
     /// w < (pos+1) // ratio).
-    fn push(&mut self, c: &Compressor, rope: &IRope, (kv, gate): (&[f32], &[f32]), pos: usize, eps: f32, tbl: &mut Vec<(f32, f32)>) {
+    fn push(
+        &mut self,
+        c: &Compressor,
+        rope: &IRope,
+        (kv, gate): (&[f32], &[f32]),
+        pos: usize,
+        eps: f32,
+        tbl: &mut Vec<(f32, f32)>,
+    ) {
         let (w, dim, r) = (c.width(), c.dim, c.ratio);
         let slot = pos % r;
         self.cur_kv[slot * w..(slot + 1) * w].copy_from_slice(kv);
-        for ((g, &x), &a) in self.cur_gate[slot * w..(slot + 1) * w].iter_mut().zip(gate).zip(&c.ape[slot * w..(slot + 1) * w]) {
+        for ((g, &x), &a) in self.cur_gate[slot * w..(slot + 1) * w]
+            .iter_mut()
+            .zip(gate)
+            .zip(&c.ape[slot * w..(slot + 1) * w])
+        {
             *g = x + a;
         }
         if slot + 1 < r {
@@ -333,15 +349,23 @@ impl<'m> Dsv4Model<'m> {
         if c.family != Family::DeepseekV4 {
             return Err(bad(format!("{} is not a deepseek_v4 model", c.model_type)));
         }
-        let v: &Dsv4Config = c.dsv4.as_ref().ok_or_else(|| bad("deepseek_v4 config without its V4 fields".into()))?;
-        let moe_cfg = c.moe.as_ref().ok_or_else(|| bad("deepseek_v4 config without its MoE fields".into()))?;
+        let v: &Dsv4Config = c
+            .dsv4
+            .as_ref()
+            .ok_or_else(|| bad("deepseek_v4 config without its V4 fields".into()))?;
+        let moe_cfg = c
+            .moe
+            .as_ref()
+            .ok_or_else(|| bad("deepseek_v4 config without its MoE fields".into()))?;
         let (d, h, hd) = (c.hidden_size, c.num_heads, c.head_dim);
         let rd = v.qk_rope_head_dim;
         if rd > hd || rd > v.index_head_dim || rd % 2 != 0 {
             return Err(bad(format!("qk_rope_head_dim {rd} must be even and at most head_dim {hd} and index_head_dim {}", v.index_head_dim)));
         }
         if h % v.o_groups != 0 || v.compress_ratios.len() < c.num_layers {
-            return Err(bad("o_groups must divide the heads and compress_ratios cover every layer".into()));
+            return Err(bad(
+                "o_groups must divide the heads and compress_ratios cover every layer".into(),
+            ));
         }
         // Release names are the reference; HF-named checkpoints map them.
         let name = |release: &str| match model.naming {
@@ -352,12 +376,27 @@ impl<'m> Dsv4Model<'m> {
         let vec = |release: &str, len: usize| vector(model, &name(release), len);
         let hc = v.hc_mult;
         let mix = (2 + hc) * hc;
-        let load_hc = |fn_: &str, base: &str, scale: &str, rows: usize, n_scale: usize| -> Result<Hc<'m>, EngineError> {
+        let load_hc = |fn_: &str,
+                       base: &str,
+                       scale: &str,
+                       rows: usize,
+                       n_scale: usize|
+         -> Result<Hc<'m>, EngineError> {
             let f = load(fn_)?;
             if f.rows != rows || f.cols != hc * d {
-                return Err(bad(format!("{}: expected [{rows}, {}], found [{}, {}]", f.name, hc * d, f.rows, f.cols)));
+                return Err(bad(format!(
+                    "{}: expected [{rows}, {}], found [{}, {}]",
+                    f.name,
+                    hc * d,
+                    f.rows,
+                    f.cols
+                )));
             }
-            Ok(Hc { fn_: f, base: vec(base, rows)?, scale: vec(scale, n_scale)? })
+            Ok(Hc {
+                fn_: f,
+                base: vec(base, rows)?,
+                scale: vec(scale, n_scale)?,
+            })
         };
         let head_name = name("head.weight");
         let head = if !model.weights.contains(&head_name) && c.tie_word_embeddings {
@@ -365,35 +404,46 @@ impl<'m> Dsv4Model<'m> {
         } else {
             load("head.weight")?
         };
-        let (n_e, inter, top_k) = (moe_cfg.num_experts, moe_cfg.moe_intermediate_size, moe_cfg.top_k);
+        let (n_e, inter, top_k) = (
+            moe_cfg.num_experts,
+            moe_cfg.moe_intermediate_size,
+            moe_cfg.top_k,
+        );
         let mut layers = Vec::with_capacity(c.num_layers);
         for l in 0..c.num_layers {
             let p = format!("layers.{l}");
             let a = format!("{p}.attn");
             let kind = dsv4_attn_kind(v, l);
             let ratio = v.compress_ratios[l];
-            let load_comp = |prefix: &str, dim: usize, overlap: bool| -> Result<Compressor<'m>, EngineError> {
-                let width = if overlap { 2 * dim } else { dim };
-                let wkv = load(&format!("{prefix}.wkv.weight"))?;
-                let wgate = load(&format!("{prefix}.wgate.weight"))?;
-                for m in [&wkv, &wgate] {
-                    if m.rows != width || m.cols != d {
-                        return Err(bad(format!("{}: expected [{width}, {d}], found [{}, {}]", m.name, m.rows, m.cols)));
+            let load_comp =
+                |prefix: &str, dim: usize, overlap: bool| -> Result<Compressor<'m>, EngineError> {
+                    let width = if overlap { 2 * dim } else { dim };
+                    let wkv = load(&format!("{prefix}.wkv.weight"))?;
+                    let wgate = load(&format!("{prefix}.wgate.weight"))?;
+                    for m in [&wkv, &wgate] {
+                        if m.rows != width || m.cols != d {
+                            return Err(bad(format!(
+                                "{}: expected [{width}, {d}], found [{}, {}]",
+                                m.name, m.rows, m.cols
+                            )));
+                        }
                     }
-                }
-                Ok(Compressor {
-                    wkv,
-                    wgate,
-                    ape: vec(&format!("{prefix}.ape"), ratio * width)?,
-                    norm: vec(&format!("{prefix}.norm.weight"), dim)?,
-                    ratio,
-                    dim,
-                    overlap,
-                })
-            };
+                    Ok(Compressor {
+                        wkv,
+                        wgate,
+                        ape: vec(&format!("{prefix}.ape"), ratio * width)?,
+                        norm: vec(&format!("{prefix}.norm.weight"), dim)?,
+                        ratio,
+                        dim,
+                        overlap,
+                    })
+                };
             let (comp, indexer) = match kind {
                 AttnKind::Sliding => (None, None),
-                AttnKind::Hca => (Some(load_comp(&format!("{a}.compressor"), hd, false)?), None),
+                AttnKind::Hca => (
+                    Some(load_comp(&format!("{a}.compressor"), hd, false)?),
+                    None,
+                ),
                 AttnKind::Csa => {
                     let ix = format!("{a}.indexer");
                     let indexer = Indexer {
@@ -401,7 +451,10 @@ impl<'m> Dsv4Model<'m> {
                         wq_b: load(&format!("{ix}.wq_b.weight"))?,
                         weights_proj: load(&format!("{ix}.weights_proj.weight"))?,
                     };
-                    (Some(load_comp(&format!("{a}.compressor"), hd, true)?), Some(indexer))
+                    (
+                        Some(load_comp(&format!("{a}.compressor"), hd, true)?),
+                        Some(indexer),
+                    )
                 }
             };
             let wo_a_name = name(&format!("{a}.wo_a.weight"));
@@ -423,20 +476,26 @@ impl<'m> Dsv4Model<'m> {
             let hash = l < v.num_hash_layers;
             let tid2eid = if hash {
                 let t = name(&format!("{f}.gate.tid2eid"));
-                let view = model.weights.get(&t).ok_or_else(|| bad(format!("tensor {t:?} is missing")))?;
+                let view = model
+                    .weights
+                    .get(&t)
+                    .ok_or_else(|| bad(format!("tensor {t:?} is missing")))?;
                 let ids = view.i64s()?;
                 if ids.len() != c.vocab_size * top_k {
-                    return Err(bad(format!("{t}: expected {} × {top_k} expert ids, found {}", c.vocab_size, ids.len())));
+                    return Err(bad(format!(
+                        "{t}: expected {} × {top_k} expert ids, found {}",
+                        c.vocab_size,
+                        ids.len()
+                    )));
                 }
-                let ids: Result<Vec<usize>, EngineError> = ids
-                    .iter()
-                    .map(|&e| {
-                        usize::try_from(e)
-                            .ok()
-                            .filter(|&e| e < n_e)
-                            .ok_or_else(|| bad(format!("{t}: expert id {e} is outside 0..{n_e}")))
-                    })
-                    .collect();
+                let ids: Result<Vec<usize>, EngineError> =
+                    ids.iter()
+                        .map(|&e| {
+                            usize::try_from(e).ok().filter(|&e| e < n_e).ok_or_else(|| {
+                                bad(format!("{t}: expert id {e} is outside 0..{n_e}"))
+                            })
+                        })
+                        .collect();
                 Some(ids?)
             } else {
                 None
@@ -454,26 +513,50 @@ impl<'m> Dsv4Model<'m> {
                     ]
                 } else {
                     let x = format!("{f}.experts.{e}");
-                    [load(&format!("{x}.w1.weight"))?, load(&format!("{x}.w3.weight"))?, load(&format!("{x}.w2.weight"))?]
+                    [
+                        load(&format!("{x}.w1.weight"))?,
+                        load(&format!("{x}.w3.weight"))?,
+                        load(&format!("{x}.w2.weight"))?,
+                    ]
                 });
             }
             let shared = if moe_cfg.n_shared_experts > 0 {
                 let x = format!("{f}.shared_experts");
-                Some([load(&format!("{x}.w1.weight"))?, load(&format!("{x}.w3.weight"))?, load(&format!("{x}.w2.weight"))?])
+                Some([
+                    load(&format!("{x}.w1.weight"))?,
+                    load(&format!("{x}.w3.weight"))?,
+                    load(&format!("{x}.w2.weight"))?,
+                ])
             } else {
                 None
             };
             let moe = Moe {
                 gate: load(&format!("{f}.gate.weight"))?,
-                bias: if hash { None } else { Some(vec(&format!("{f}.gate.bias"), n_e)?) },
+                bias: if hash {
+                    None
+                } else {
+                    Some(vec(&format!("{f}.gate.bias"), n_e)?)
+                },
                 tid2eid,
                 experts,
                 shared,
             };
             layers.push(Layer {
                 kind,
-                attn_hc: load_hc(&format!("{p}.hc_attn_fn"), &format!("{p}.hc_attn_base"), &format!("{p}.hc_attn_scale"), mix, 3)?,
-                ffn_hc: load_hc(&format!("{p}.hc_ffn_fn"), &format!("{p}.hc_ffn_base"), &format!("{p}.hc_ffn_scale"), mix, 3)?,
+                attn_hc: load_hc(
+                    &format!("{p}.hc_attn_fn"),
+                    &format!("{p}.hc_attn_base"),
+                    &format!("{p}.hc_attn_scale"),
+                    mix,
+                    3,
+                )?,
+                ffn_hc: load_hc(
+                    &format!("{p}.hc_ffn_fn"),
+                    &format!("{p}.hc_ffn_base"),
+                    &format!("{p}.hc_ffn_scale"),
+                    mix,
+                    3,
+                )?,
                 attn_norm: vec(&format!("{p}.attn_norm.weight"), d)?,
                 ffn_norm: vec(&format!("{p}.ffn_norm.weight"), d)?,
                 wq_a: load(&format!("{a}.wq_a.weight"))?,
@@ -497,8 +580,18 @@ impl<'m> Dsv4Model<'m> {
             norm: vec("norm.weight", d)?,
             hc_head: load_hc("hc_head_fn", "hc_head_base", "hc_head_scale", hc, 1)?,
             layers,
-            rope_main: IRope::new(rd, c.rope_theta, &RopeScaling::None, c.max_position_embeddings),
-            rope_comp: IRope::new(rd, v.compress_rope_theta, &c.rope_scaling, c.max_position_embeddings),
+            rope_main: IRope::new(
+                rd,
+                c.rope_theta,
+                &RopeScaling::None,
+                c.max_position_embeddings,
+            ),
+            rope_comp: IRope::new(
+                rd,
+                v.compress_rope_theta,
+                &c.rope_scaling,
+                c.max_position_embeddings,
+            ),
             eps: c.rms_norm_eps as f32,
             hc_eps: v.hc_eps as f32,
             d,
@@ -548,7 +641,13 @@ impl<'m> Dsv4Model<'m> {
             }
             let n_e = l.moe.experts.len() as u64;
             if n_e > 0 {
-                let all: u64 = l.moe.experts.iter().flat_map(|e| e.iter()).map(|m| m.bytes()).sum();
+                let all: u64 = l
+                    .moe
+                    .experts
+                    .iter()
+                    .flat_map(|e| e.iter())
+                    .map(|m| m.bytes())
+                    .sum();
                 total += all * (self.top_k as u64).min(n_e) / n_e;
             }
         }
@@ -562,7 +661,15 @@ impl<'m> Dsv4Model<'m> {
     fn mats(&self) -> Vec<&Mat<'m>> {
         let mut all = vec![&self.embed, &self.head, &self.hc_head.fn_];
         for l in &self.layers {
-            all.extend([&l.attn_hc.fn_, &l.ffn_hc.fn_, &l.wq_a, &l.wq_b, &l.wkv, &l.wo_b, &l.moe.gate]);
+            all.extend([
+                &l.attn_hc.fn_,
+                &l.ffn_hc.fn_,
+                &l.wq_a,
+                &l.wq_b,
+                &l.wkv,
+                &l.wo_b,
+                &l.moe.gate,
+            ]);
             match &l.wo_a {
                 WoA::Groups(g) => all.extend(g.iter()),
                 WoA::Whole(m) => all.push(m),
@@ -588,7 +695,11 @@ impl<'m> Dsv4Model<'m> {
     pub fn new_cache(&self, capacity: usize) -> Result<Dsv4Cache, EngineError> {
         let limit = self.model.config.max_position_embeddings;
         if capacity > limit {
-            return Err(EngineError::Context { needed: capacity, limit, hint: String::new() });
+            return Err(EngineError::Context {
+                needed: capacity,
+                limit,
+                hint: String::new(),
+            });
         }
         let layers = self
             .layers
@@ -599,7 +710,11 @@ impl<'m> Dsv4Model<'m> {
                 index: l.indexer.as_ref().map(|i| CompState::new(&i.comp)),
             })
             .collect();
-        Ok(Dsv4Cache { layers, len: 0, capacity })
+        Ok(Dsv4Cache {
+            layers,
+            len: 0,
+            capacity,
+        })
     }
 
     /// Per token: `pre` [hc], `post` [hc] and `comb` [hc, hc] of one hyper
@@ -703,7 +818,12 @@ impl<'m> Dsv4Model<'m> {
 
     /// Run `tokens` (appended at cache.len) through the model. Returns the
     /// logits of every position when `all_logits`, else of the last one.
-    pub fn forward(&self, cache: &mut Dsv4Cache, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>, EngineError> {
+    pub fn forward(
+        &self,
+        cache: &mut Dsv4Cache,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<Vec<f32>, EngineError> {
         let n = tokens.len();
         if n == 0 {
             return Ok(Vec::new());
@@ -718,7 +838,10 @@ impl<'m> Dsv4Model<'m> {
         let mut row = vec![0.0f32; d];
         for (t, &id) in tokens.iter().enumerate() {
             if id as usize >= self.vocab {
-                return Err(EngineError::BadToken { id, vocab: self.vocab });
+                return Err(EngineError::BadToken {
+                    id,
+                    vocab: self.vocab,
+                });
             }
             self.embed.row_f32(id as usize, &mut row);
             for i in 0..s {
@@ -750,10 +873,16 @@ impl<'m> Dsv4Model<'m> {
             rms_unweighted(r, self.eps);
         }
         let mut mixes = vec![0.0f32; m * s];
-        self.hc_head.fn_.apply(&self.kernels, &normed, m, &mut mixes)?;
+        self.hc_head
+            .fn_
+            .apply(&self.kernels, &normed, m, &mut mixes)?;
         let pre: Vec<f32> = mixes
             .chunks_exact(s)
-            .flat_map(|r| r.iter().enumerate().map(|(i, &v)| sigmoid(v * self.hc_head.scale[0] + self.hc_head.base[i]) + self.hc_eps))
+            .flat_map(|r| {
+                r.iter().enumerate().map(|(i, &v)| {
+                    sigmoid(v * self.hc_head.scale[0] + self.hc_head.base[i]) + self.hc_eps
+                })
+            })
             .collect();
         let mut y = self.collapse(&pre, xs, m);
         rms_norm(&mut y, &self.norm, self.eps);
@@ -764,16 +893,35 @@ impl<'m> Dsv4Model<'m> {
 
     /// Prefill `tokens` in chunks of `chunk`. Returns every position's logits
     /// when `all_logits`, else the last position's.
-    pub fn prefill(&self, cache: &mut Dsv4Cache, tokens: &[u32], chunk: usize, all_logits: bool) -> Result<Vec<f32>, EngineError> {
-        super::prefill_chunks(tokens, chunk, all_logits, |piece, all| self.forward(cache, piece, all))
+    pub fn prefill(
+        &self,
+        cache: &mut Dsv4Cache,
+        tokens: &[u32],
+        chunk: usize,
+        all_logits: bool,
+    ) -> Result<Vec<f32>, EngineError> {
+        super::prefill_chunks(tokens, chunk, all_logits, |piece, all| {
+            self.forward(cache, piece, all)
+        })
     }
 
     /// The attention sub-block for `n` tokens at pos0.. (input `a`, already
     /// normed): returns [n, D].
-    fn attention(&self, l: &Layer, st: &mut LayerState, a: &[f32], n: usize, pos0: usize) -> Result<Vec<f32>, EngineError> {
+    fn attention(
+        &self,
+        l: &Layer,
+        st: &mut LayerState,
+        a: &[f32],
+        n: usize,
+        pos0: usize,
+    ) -> Result<Vec<f32>, EngineError> {
         let k = &self.kernels;
         let (d, h, hd) = (self.d, self.heads, self.head_dim);
-        let rope = if l.kind == AttnKind::Sliding { &self.rope_main } else { &self.rope_comp };
+        let rope = if l.kind == AttnKind::Sliding {
+            &self.rope_main
+        } else {
+            &self.rope_comp
+        };
         let qr = l.wq_a.rows;
         // q_residual = q_norm(wq_a a), shared with the indexer.
         let mut q_res = vec![0.0f32; n * qr];
@@ -833,11 +981,27 @@ impl<'m> Dsv4Model<'m> {
             st.window[(p % w) * hd..(p % w + 1) * hd].copy_from_slice(&kv[t * hd..(t + 1) * hd]);
             if let (Some(c), Some(cs), Some((ckv, cg))) = (&l.comp, st.comp.as_mut(), &comp_proj) {
                 let cw = c.width();
-                cs.push(c, &self.rope_comp, (&ckv[t * cw..(t + 1) * cw], &cg[t * cw..(t + 1) * cw]), p, self.eps, &mut tbl);
+                cs.push(
+                    c,
+                    &self.rope_comp,
+                    (&ckv[t * cw..(t + 1) * cw], &cg[t * cw..(t + 1) * cw]),
+                    p,
+                    self.eps,
+                    &mut tbl,
+                );
             }
-            if let (Some(ix), Some(is), Some((ikv, ig, _, _))) = (&l.indexer, st.index.as_mut(), &index_proj) {
+            if let (Some(ix), Some(is), Some((ikv, ig, _, _))) =
+                (&l.indexer, st.index.as_mut(), &index_proj)
+            {
                 let cw = ix.comp.width();
-                is.push(&ix.comp, &self.rope_comp, (&ikv[t * cw..(t + 1) * cw], &ig[t * cw..(t + 1) * cw]), p, self.eps, &mut tbl);
+                is.push(
+                    &ix.comp,
+                    &self.rope_comp,
+                    (&ikv[t * cw..(t + 1) * cw], &ig[t * cw..(t + 1) * cw]),
+                    p,
+                    self.eps,
+                    &mut tbl,
+                );
             }
             // Keys: the sliding window (positions p−w+1 ..= p, in order), then
             // the compressed entries this query sees.
@@ -902,14 +1066,16 @@ impl<'m> Dsv4Model<'m> {
         let mut xg = vec![0.0f32; n * in_g];
         for g in 0..g_n {
             for t in 0..n {
-                xg[t * in_g..(t + 1) * in_g].copy_from_slice(&att[t * h * hd + g * in_g..t * h * hd + (g + 1) * in_g]);
+                xg[t * in_g..(t + 1) * in_g]
+                    .copy_from_slice(&att[t * h * hd + g * in_g..t * h * hd + (g + 1) * in_g]);
             }
             match &l.wo_a {
                 WoA::Groups(ms) => {
                     let mut yg = vec![0.0f32; n * r];
                     ms[g].apply(k, &xg, n, &mut yg)?;
                     for t in 0..n {
-                        z[(t * g_n + g) * r..(t * g_n + g + 1) * r].copy_from_slice(&yg[t * r..(t + 1) * r]);
+                        z[(t * g_n + g) * r..(t * g_n + g + 1) * r]
+                            .copy_from_slice(&yg[t * r..(t + 1) * r]);
                     }
                 }
                 WoA::Whole(m) => {
@@ -938,12 +1104,20 @@ impl<'m> Dsv4Model<'m> {
         let mut chosen: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e_n];
         let mut biased = vec![0.0f32; e_n];
         for t in 0..n {
-            let scores: Vec<f32> = logits[t * e_n..(t + 1) * e_n].iter().map(|&v| softplus(v).sqrt()).collect();
+            let scores: Vec<f32> = logits[t * e_n..(t + 1) * e_n]
+                .iter()
+                .map(|&v| softplus(v).sqrt())
+                .collect();
             let idx: Vec<usize> = match (&m.tid2eid, &m.bias) {
                 // Hash layers: a fixed table indexed by the token id.
-                (Some(tab), _) => tab[tokens[t] as usize * self.top_k..(tokens[t] as usize + 1) * self.top_k].to_vec(),
+                (Some(tab), _) => tab
+                    [tokens[t] as usize * self.top_k..(tokens[t] as usize + 1) * self.top_k]
+                    .to_vec(),
                 (None, Some(b)) => {
-                    biased.iter_mut().zip(scores.iter().zip(b)).for_each(|(o, (s, bb))| *o = s + bb);
+                    biased
+                        .iter_mut()
+                        .zip(scores.iter().zip(b))
+                        .for_each(|(o, (s, bb))| *o = s + bb);
                     top_k(&biased, self.top_k)
                 }
                 (None, None) => top_k(&scores, self.top_k),
@@ -970,7 +1144,10 @@ impl<'m> Dsv4Model<'m> {
             ye.resize(g * d, 0.0);
             self.swiglu(&m.experts[e], &xe, g, &mut ye)?;
             for (j, &(t, w)) in group.iter().enumerate() {
-                for (o, y) in out[t * d..(t + 1) * d].iter_mut().zip(&ye[j * d..(j + 1) * d]) {
+                for (o, y) in out[t * d..(t + 1) * d]
+                    .iter_mut()
+                    .zip(&ye[j * d..(j + 1) * d])
+                {
                     *o += y * w;
                 }
             }
@@ -983,28 +1160,22 @@ impl<'m> Dsv4Model<'m> {
         Ok(out)
     }
 
-    /// down(silu(min(gate·x, L)) ⊙ clamp(up·x, −L, L)) for n tokens.
-    fn swiglu(&self, [gate, up, down]: &[Mat; 3], x: &[f32], n: usize, out: &mut [f32]) -> Result<(), EngineError> {
-        let k = &self.kernels;
-        let i = gate.rows;
-        let lim = self.swiglu_limit;
-        let mut g = vec![0.0f32; n * i];
-        let mut u = vec![0.0f32; n * i];
-        gate.apply(k, x, n, &mut g)?;
-        up.apply(k, x, n, &mut u)?;
-        for (a, &b) in g.iter_mut().zip(&u) {
-            let gv = if *a > lim { lim } else { *a };
-            let uv = if b > lim {
-                lim
-            } else if b < -lim {
-                -lim
-            } else {
-                b
-            };
-            *a = silu(gv) * uv;
-        }
-        down.apply(k, &g, n, &mut out[..n * down.rows])?;
-        Ok(())
+    /// The clamped SwiGLU of routed and shared experts.
+    fn swiglu(
+        &self,
+        [gate, up, down]: &[Mat; 3],
+        x: &[f32],
+        n: usize,
+        out: &mut [f32],
+    ) -> Result<(), EngineError> {
+        super::swiglu(
+            &self.kernels,
+            [gate, up, down],
+            x,
+            n,
+            Some(self.swiglu_limit),
+            out,
+        )
     }
 }
 
@@ -1016,7 +1187,13 @@ impl crate::generate::CausalLm for Dsv4Model<'_> {
     fn new_cache(&self, capacity: usize) -> Result<Dsv4Cache, EngineError> {
         Dsv4Model::new_cache(self, capacity)
     }
-    fn prefill(&self, cache: &mut Dsv4Cache, tokens: &[u32], chunk: usize, all_logits: bool) -> Result<Vec<f32>, EngineError> {
+    fn prefill(
+        &self,
+        cache: &mut Dsv4Cache,
+        tokens: &[u32],
+        chunk: usize,
+        all_logits: bool,
+    ) -> Result<Vec<f32>, EngineError> {
         Dsv4Model::prefill(self, cache, tokens, chunk, all_logits)
     }
 }

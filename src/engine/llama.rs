@@ -1,14 +1,23 @@
 //! Llama (Llama, SmolLM2, Qwen2), Qwen3 and Qwen3-MoE: one forward pass,
 //! matching transformers' modeling code in f32.
 
-use super::{rms_norm, silu, vector, EngineError, Mat, Rope};
+use super::{rms_norm, swiglu, vector, EngineError, Mat, Rope};
 use crate::kernels::{AttnArgs, Kernels};
 use crate::model::ModelDir;
 use crate::plan::config::Family;
 
 enum Mlp<'m> {
-    Dense { gate: Mat<'m>, up: Mat<'m>, down: Mat<'m> },
-    Moe { router: Mat<'m>, experts: Vec<[Mat<'m>; 3]>, top_k: usize, norm_topk_prob: bool },
+    Dense {
+        gate: Mat<'m>,
+        up: Mat<'m>,
+        down: Mat<'m>,
+    },
+    Moe {
+        router: Mat<'m>,
+        experts: Vec<[Mat<'m>; 3]>,
+        top_k: usize,
+        norm_topk_prob: bool,
+    },
 }
 
 struct Layer<'m> {
@@ -61,7 +70,9 @@ impl<'m> LlamaModel<'m> {
     pub fn new(model: &'m ModelDir, kernels: Kernels) -> Result<LlamaModel<'m>, EngineError> {
         let c = &model.config;
         if c.family == Family::DeepseekV4 {
-            return Err(EngineError::Unsupported("deepseek_v4 runs on its own engine".into()));
+            return Err(EngineError::Unsupported(
+                "deepseek_v4 runs on its own engine".into(),
+            ));
         }
         if c.sliding_window.is_some() {
             return Err(EngineError::Unsupported(
@@ -75,7 +86,10 @@ impl<'m> LlamaModel<'m> {
         } else {
             Mat::load(model, "lm_head.weight")?
         };
-        let fused = model.weights.names().any(|n| n.ends_with(".mlp.experts.gate_up_proj"));
+        let fused = model
+            .weights
+            .names()
+            .any(|n| n.ends_with(".mlp.experts.gate_up_proj"));
         let mut layers = Vec::with_capacity(c.num_layers);
         for l in 0..c.num_layers {
             let p = format!("model.layers.{l}");
@@ -89,7 +103,10 @@ impl<'m> LlamaModel<'m> {
                 }
             };
             let qk_norm = if matches!(c.family, Family::Qwen3 | Family::Qwen3Moe) {
-                Some((vector(model, &format!("{a}.q_norm.weight"), hd)?, vector(model, &format!("{a}.k_norm.weight"), hd)?))
+                Some((
+                    vector(model, &format!("{a}.q_norm.weight"), hd)?,
+                    vector(model, &format!("{a}.k_norm.weight"), hd)?,
+                ))
             } else {
                 None
             };
@@ -173,10 +190,12 @@ impl<'m> LlamaModel<'m> {
         for l in &self.layers {
             all &= [&l.q, &l.k, &l.v, &l.o].iter().all(|m| m.in_place());
             match &l.mlp {
-                Mlp::Dense { gate, up, down } => all &= gate.in_place() && up.in_place() && down.in_place(),
-                Mlp::Moe { router, experts, .. } => {
-                    all &= router.in_place() && experts.iter().flatten().all(|m| m.in_place())
+                Mlp::Dense { gate, up, down } => {
+                    all &= gate.in_place() && up.in_place() && down.in_place()
                 }
+                Mlp::Moe {
+                    router, experts, ..
+                } => all &= router.in_place() && experts.iter().flatten().all(|m| m.in_place()),
             }
         }
         all
@@ -191,7 +210,12 @@ impl<'m> LlamaModel<'m> {
             b += l.q.bytes() + l.k.bytes() + l.v.bytes() + l.o.bytes();
             b += match &l.mlp {
                 Mlp::Dense { gate, up, down } => gate.bytes() + up.bytes() + down.bytes(),
-                Mlp::Moe { router, experts, top_k, .. } => {
+                Mlp::Moe {
+                    router,
+                    experts,
+                    top_k,
+                    ..
+                } => {
                     let all: u64 = experts.iter().flatten().map(|m| m.bytes()).sum();
                     router.bytes() + all * *top_k as u64 / experts.len().max(1) as u64
                 }
@@ -204,12 +228,20 @@ impl<'m> LlamaModel<'m> {
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache, EngineError> {
         let limit = self.model.config.max_position_embeddings;
         if capacity > limit {
-            return Err(EngineError::Context { needed: capacity, limit, hint: String::new() });
+            return Err(EngineError::Context {
+                needed: capacity,
+                limit,
+                hint: String::new(),
+            });
         }
         let w = self.kv_heads * self.head_dim;
         Ok(KvCache {
-            k: (0..self.layers.len()).map(|_| vec![0.0; capacity * w]).collect(),
-            v: (0..self.layers.len()).map(|_| vec![0.0; capacity * w]).collect(),
+            k: (0..self.layers.len())
+                .map(|_| vec![0.0; capacity * w])
+                .collect(),
+            v: (0..self.layers.len())
+                .map(|_| vec![0.0; capacity * w])
+                .collect(),
             len: 0,
             capacity,
         })
@@ -217,7 +249,12 @@ impl<'m> LlamaModel<'m> {
 
     /// Run `tokens` (appended at cache.len) through the model. Returns the
     /// logits of every position when `all_logits`, else of the last one.
-    pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>, EngineError> {
+    pub fn forward(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<Vec<f32>, EngineError> {
         let n = tokens.len();
         if n == 0 {
             return Ok(Vec::new());
@@ -228,7 +265,10 @@ impl<'m> LlamaModel<'m> {
         let mut x = vec![0.0f32; n * d];
         for (i, &t) in tokens.iter().enumerate() {
             if t as usize >= self.vocab {
-                return Err(EngineError::BadToken { id: t, vocab: self.vocab });
+                return Err(EngineError::BadToken {
+                    id: t,
+                    vocab: self.vocab,
+                });
             }
             self.embed.row_f32(t as usize, &mut x[i * d..(i + 1) * d]);
         }
@@ -247,7 +287,11 @@ impl<'m> LlamaModel<'m> {
             layer.q.apply(k, &hbuf, n, &mut q)?;
             layer.k.apply(k, &hbuf, n, &mut kk)?;
             layer.v.apply(k, &hbuf, n, &mut vv)?;
-            for (buf, b) in [(&mut q, &layer.bias[0]), (&mut kk, &layer.bias[1]), (&mut vv, &layer.bias[2])] {
+            for (buf, b) in [
+                (&mut q, &layer.bias[0]),
+                (&mut kk, &layer.bias[1]),
+                (&mut vv, &layer.bias[2]),
+            ] {
                 if let Some(b) = b {
                     for row in buf.chunks_exact_mut(b.len()) {
                         row.iter_mut().zip(b).for_each(|(v, bb)| *v += bb);
@@ -297,7 +341,11 @@ impl<'m> LlamaModel<'m> {
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         }
         cache.len += n;
-        let rows: &mut [f32] = if all_logits { &mut x } else { &mut x[(n - 1) * d..] };
+        let rows: &mut [f32] = if all_logits {
+            &mut x
+        } else {
+            &mut x[(n - 1) * d..]
+        };
         rms_norm(rows, &self.norm, self.eps);
         let m = rows.len() / d;
         let mut logits = vec![0.0f32; m * self.vocab];
@@ -308,16 +356,29 @@ impl<'m> LlamaModel<'m> {
     /// Prefill `tokens` in chunks of `chunk` (each through the small-batch
     /// matmul kernels). Returns every position's logits when `all_logits`,
     /// else the last position's.
-    pub fn prefill(&self, cache: &mut KvCache, tokens: &[u32], chunk: usize, all_logits: bool) -> Result<Vec<f32>, EngineError> {
-        super::prefill_chunks(tokens, chunk, all_logits, |piece, all| self.forward(cache, piece, all))
+    pub fn prefill(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        chunk: usize,
+        all_logits: bool,
+    ) -> Result<Vec<f32>, EngineError> {
+        super::prefill_chunks(tokens, chunk, all_logits, |piece, all| {
+            self.forward(cache, piece, all)
+        })
     }
 
     fn mlp(&self, mlp: &Mlp, x: &[f32], n: usize, out: &mut [f32]) -> Result<(), EngineError> {
         let k = &self.kernels;
         let d = self.d;
         match mlp {
-            Mlp::Dense { gate, up, down } => swiglu(k, [gate, up, down], x, n, out),
-            Mlp::Moe { router, experts, top_k, norm_topk_prob } => {
+            Mlp::Dense { gate, up, down } => swiglu(k, [gate, up, down], x, n, None, out),
+            Mlp::Moe {
+                router,
+                experts,
+                top_k,
+                norm_topk_prob,
+            } => {
                 let e = experts.len();
                 let mut logits = vec![0.0f32; n * e];
                 router.apply(k, x, n, &mut logits)?;
@@ -333,7 +394,11 @@ impl<'m> LlamaModel<'m> {
                     // Descending probability; ties to the lower expert index.
                     order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
                     let top = &order[..*top_k];
-                    let denom: f32 = if *norm_topk_prob { top.iter().map(|&i| probs[i]).sum() } else { 1.0 };
+                    let denom: f32 = if *norm_topk_prob {
+                        top.iter().map(|&i| probs[i]).sum()
+                    } else {
+                        1.0
+                    };
                     for &i in top {
                         chosen[i].push((t, probs[i] / denom));
                     }
@@ -354,9 +419,12 @@ impl<'m> LlamaModel<'m> {
                     }
                     ye.resize(m * d, 0.0);
                     let [g, u, dn] = &experts[ei];
-                    swiglu(k, [g, u, dn], &xe, m, &mut ye)?;
+                    swiglu(k, [g, u, dn], &xe, m, None, &mut ye)?;
                     for (j, &(t, w)) in group.iter().enumerate() {
-                        for (o, y) in out[t * d..(t + 1) * d].iter_mut().zip(&ye[j * d..(j + 1) * d]) {
+                        for (o, y) in out[t * d..(t + 1) * d]
+                            .iter_mut()
+                            .zip(&ye[j * d..(j + 1) * d])
+                        {
                             *o += y * w;
                         }
                     }
@@ -365,16 +433,4 @@ impl<'m> LlamaModel<'m> {
             }
         }
     }
-}
-
-/// down(silu(gate·x) ⊙ up·x) for n tokens.
-fn swiglu(k: &Kernels, [gate, up, down]: [&Mat; 3], x: &[f32], n: usize, out: &mut [f32]) -> Result<(), EngineError> {
-    let i = gate.rows;
-    let mut g = vec![0.0f32; n * i];
-    let mut u = vec![0.0f32; n * i];
-    gate.apply(k, x, n, &mut g)?;
-    up.apply(k, x, n, &mut u)?;
-    g.iter_mut().zip(&u).for_each(|(a, b)| *a = silu(*a) * b);
-    down.apply(k, &g, n, &mut out[..n * down.rows])?;
-    Ok(())
 }

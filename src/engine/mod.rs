@@ -23,7 +23,11 @@ pub enum EngineError {
     #[error("{0}")]
     Unsupported(String),
     #[error("the sequence would be {needed} tokens, past this model's context of {limit} (max_position_embeddings in config.json){hint}")]
-    Context { needed: usize, limit: usize, hint: String },
+    Context {
+        needed: usize,
+        limit: usize,
+        hint: String,
+    },
     #[error("token id {id} is outside the vocabulary (vocab_size {vocab})")]
     BadToken { id: u32, vocab: usize },
 }
@@ -81,12 +85,20 @@ impl<'m> Mat<'m> {
     /// with the scale tensor the model's layout pairs with it. (F16 is not a
     /// kernel format and is refused by name.)
     pub fn load(m: &'m ModelDir, name: &str) -> Result<Mat<'m>, EngineError> {
-        let missing = |n: &str| EngineError::Unsupported(format!("tensor {n:?} is missing (validated layouts should not allow this)"));
+        let missing = |n: &str| {
+            EngineError::Unsupported(format!(
+                "tensor {n:?} is missing (validated layouts should not allow this)"
+            ))
+        };
         let t = m.weights.get(name).ok_or_else(|| missing(name))?;
         let shape = t.shape();
         let (rows, mut cols) = match shape {
             [r, c] => (*r, *c),
-            _ => return Err(EngineError::Unsupported(format!("tensor {name:?} is {shape:?}, expected a matrix"))),
+            _ => {
+                return Err(EngineError::Unsupported(format!(
+                    "tensor {name:?} is {shape:?}, expected a matrix"
+                )))
+            }
         };
         let kind = m.expected.iter().find(|x| x.name == name).map(|x| &x.kind);
         let data = match (t.dtype(), kind) {
@@ -107,21 +119,41 @@ impl<'m> Mat<'m> {
                 )))
             }
         };
-        let mat = Mat { name: name.to_string(), rows, cols, data };
+        let mat = Mat {
+            name: name.to_string(),
+            rows,
+            cols,
+            data,
+        };
         mat.matrix()?; // check the lengths once, up front
         Ok(mat)
     }
 
     /// A block of `rows` rows starting at `row0` of a 3-D tensor [E, R, C]
     /// flattened (fused experts): rows row0..row0+rows of expert `e`.
-    pub fn load_slice(m: &'m ModelDir, name: &str, e: usize, row0: usize, rows: usize) -> Result<Mat<'m>, EngineError> {
-        let t = m.weights.get(name).ok_or_else(|| EngineError::Unsupported(format!("tensor {name:?} is missing")))?;
+    pub fn load_slice(
+        m: &'m ModelDir,
+        name: &str,
+        e: usize,
+        row0: usize,
+        rows: usize,
+    ) -> Result<Mat<'m>, EngineError> {
+        let t = m
+            .weights
+            .get(name)
+            .ok_or_else(|| EngineError::Unsupported(format!("tensor {name:?} is missing")))?;
         let (n_e, r_e, cols) = match t.shape() {
             [a, b, c] => (*a, *b, *c),
-            s => return Err(EngineError::Unsupported(format!("tensor {name:?} is {s:?}, expected [experts, rows, cols]"))),
+            s => {
+                return Err(EngineError::Unsupported(format!(
+                    "tensor {name:?} is {s:?}, expected [experts, rows, cols]"
+                )))
+            }
         };
         if e >= n_e || row0 + rows > r_e {
-            return Err(EngineError::Unsupported(format!("{name:?}: slice out of range")));
+            return Err(EngineError::Unsupported(format!(
+                "{name:?}: slice out of range"
+            )));
         }
         let start = (e * r_e + row0) * cols;
         let end = start + rows * cols;
@@ -134,9 +166,18 @@ impl<'m> Mat<'m> {
                 Cow::Borrowed(s) => Cow::Borrowed(&s[start..end]),
                 Cow::Owned(v) => Cow::Owned(v[start..end].to_vec()),
             }),
-            other => return Err(EngineError::Unsupported(format!("tensor {name:?} is {other}; expected F32 or BF16"))),
+            other => {
+                return Err(EngineError::Unsupported(format!(
+                    "tensor {name:?} is {other}; expected F32 or BF16"
+                )))
+            }
         };
-        let mat = Mat { name: format!("{name}[{e}][{row0}..{}]", row0 + rows), rows, cols, data };
+        let mat = Mat {
+            name: format!("{name}[{e}][{row0}..{}]", row0 + rows),
+            rows,
+            cols,
+            data,
+        };
         mat.matrix()?;
         Ok(mat)
     }
@@ -145,7 +186,12 @@ impl<'m> Mat<'m> {
     /// still read in place. F32, BF16 and FP4 (one scale row per weight row)
     /// cut anywhere; FP8 only where the cut starts on a 128-row scale block
     /// boundary (`Ok(None)` otherwise: the caller keeps the whole matrix).
-    pub fn load_rows(m: &'m ModelDir, name: &str, row0: usize, rows: usize) -> Result<Option<Mat<'m>>, EngineError> {
+    pub fn load_rows(
+        m: &'m ModelDir,
+        name: &str,
+        row0: usize,
+        rows: usize,
+    ) -> Result<Option<Mat<'m>>, EngineError> {
         let full = Mat::load(m, name)?;
         if rows == 0 || row0 + rows > full.rows {
             return Err(EngineError::Unsupported(format!(
@@ -167,7 +213,10 @@ impl<'m> Mat<'m> {
             }),
             MatData::Fp4 { w, scale } => {
                 let sc = c / 32;
-                MatData::Fp4 { w: &w[a / 2..b / 2], scale: &scale[row0 * sc..(row0 + rows) * sc] }
+                MatData::Fp4 {
+                    w: &w[a / 2..b / 2],
+                    scale: &scale[row0 * sc..(row0 + rows) * sc],
+                }
             }
             MatData::Fp8 { w, scale } => {
                 const BLOCK: usize = 128;
@@ -176,10 +225,18 @@ impl<'m> Mat<'m> {
                 }
                 let sc = c.div_ceil(BLOCK);
                 let s0 = row0 / BLOCK;
-                MatData::Fp8 { w: &w[a..b], scale: &scale[s0 * sc..(s0 + rows.div_ceil(BLOCK)) * sc] }
+                MatData::Fp8 {
+                    w: &w[a..b],
+                    scale: &scale[s0 * sc..(s0 + rows.div_ceil(BLOCK)) * sc],
+                }
             }
         };
-        let mat = Mat { name: format!("{name}[{row0}..{}]", row0 + rows), rows, cols: c, data };
+        let mat = Mat {
+            name: format!("{name}[{row0}..{}]", row0 + rows),
+            rows,
+            cols: c,
+            data,
+        };
         mat.matrix()?;
         Ok(Some(mat))
     }
@@ -224,7 +281,13 @@ impl<'m> Mat<'m> {
     }
 
     /// Y[n][rows] = W X[n][cols].
-    pub fn apply(&self, k: &Kernels, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), KernelError> {
+    pub fn apply(
+        &self,
+        k: &Kernels,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
         let m = self.matrix()?;
         if n == 1 {
             k.matvec(&m, x, y)
@@ -236,10 +299,16 @@ impl<'m> Mat<'m> {
 
 /// A 1-D float tensor (norm weights, biases) as f32.
 pub fn vector(m: &ModelDir, name: &str, len: usize) -> Result<Vec<f32>, EngineError> {
-    let t = m.weights.get(name).ok_or_else(|| EngineError::Unsupported(format!("tensor {name:?} is missing")))?;
+    let t = m
+        .weights
+        .get(name)
+        .ok_or_else(|| EngineError::Unsupported(format!("tensor {name:?} is missing")))?;
     let v = t.to_f32_vec()?;
     if v.len() != len {
-        return Err(EngineError::Unsupported(format!("tensor {name:?} has {} values, expected {len}", v.len())));
+        return Err(EngineError::Unsupported(format!(
+            "tensor {name:?} has {} values, expected {len}",
+            v.len()
+        )));
     }
     Ok(v)
 }
@@ -263,6 +332,41 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
+/// down(silu(gate·x) ⊙ up·x) for n tokens. With `limit` L (DeepSeek V4's
+/// swiglu_limit) the gate is capped at L and up clamped to [−L, L] first.
+pub fn swiglu(
+    k: &Kernels,
+    [gate, up, down]: [&Mat; 3],
+    x: &[f32],
+    n: usize,
+    limit: Option<f32>,
+    out: &mut [f32],
+) -> Result<(), EngineError> {
+    let i = gate.rows;
+    let mut g = vec![0.0f32; n * i];
+    let mut u = vec![0.0f32; n * i];
+    gate.apply(k, x, n, &mut g)?;
+    up.apply(k, x, n, &mut u)?;
+    match limit {
+        None => g.iter_mut().zip(&u).for_each(|(a, b)| *a = silu(*a) * b),
+        Some(lim) => {
+            for (a, &b) in g.iter_mut().zip(&u) {
+                let gv = if *a > lim { lim } else { *a };
+                let uv = if b > lim {
+                    lim
+                } else if b < -lim {
+                    -lim
+                } else {
+                    b
+                };
+                *a = silu(gv) * uv;
+            }
+        }
+    }
+    down.apply(k, &g, n, &mut out[..n * down.rows])?;
+    Ok(())
+}
+
 /// Rotary position embedding tables for half-split ("rotate_half") RoPE.
 pub struct Rope {
     /// Rotated dims (head_dim, or less with a partial factor).
@@ -277,15 +381,25 @@ impl Rope {
     pub fn new(dim: usize, theta: f64, scaling: &RopeScaling, max_pos: usize) -> Rope {
         let base = theta as f32;
         let half = dim / 2;
-        let mut inv: Vec<f32> =
-            (0..half).map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32)).collect();
+        let mut inv: Vec<f32> = (0..half)
+            .map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32))
+            .collect();
         let mut attention_scaling = 1.0f32;
         match *scaling {
             RopeScaling::None | RopeScaling::Dynamic { .. } => {}
             RopeScaling::Linear { factor } => inv.iter_mut().for_each(|f| *f /= factor as f32),
-            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
                 let old = original_max_position_embeddings as f32;
-                let (factor, low, high) = (factor as f32, low_freq_factor as f32, high_freq_factor as f32);
+                let (factor, low, high) = (
+                    factor as f32,
+                    low_freq_factor as f32,
+                    high_freq_factor as f32,
+                );
                 let low_wavelen = old / low;
                 let high_wavelen = old / high;
                 for f in inv.iter_mut() {
@@ -307,17 +421,27 @@ impl Rope {
                 mscale_all_dim,
                 attention_factor,
             } => {
-                let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+                let get_mscale = |scale: f64, m: f64| {
+                    if scale <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * m * scale.ln() + 1.0
+                    }
+                };
                 attention_scaling = match attention_factor {
                     Some(a) => a as f32,
                     None => match (mscale, mscale_all_dim) {
-                        (Some(m), Some(ma)) => (get_mscale(factor, m) / get_mscale(factor, ma)) as f32,
+                        (Some(m), Some(ma)) => {
+                            (get_mscale(factor, m) / get_mscale(factor, ma)) as f32
+                        }
                         _ => get_mscale(factor, 1.0) as f32,
                     },
                 };
                 let orig = original_max_position_embeddings as f64;
                 let d = dim as f64;
-                let correction = |rot: f64| (d * (orig / (rot * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * theta.ln());
+                let correction = |rot: f64| {
+                    (d * (orig / (rot * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * theta.ln())
+                };
                 let low = correction(beta_fast).floor().max(0.0);
                 let high = correction(beta_slow).ceil().min(d - 1.0);
                 let high = if low == high { high + 0.001 } else { high };
@@ -330,7 +454,11 @@ impl Rope {
             }
         }
         let _ = max_pos;
-        Rope { dim, inv_freq: inv, attention_scaling }
+        Rope {
+            dim,
+            inv_freq: inv,
+            attention_scaling,
+        }
     }
 
     /// Rotate one head vector (its first `dim` values) at `pos`.
@@ -339,7 +467,10 @@ impl Rope {
         let p = pos as f32;
         for i in 0..half {
             let f = p * self.inv_freq[i];
-            let (c, s) = (f.cos() * self.attention_scaling, f.sin() * self.attention_scaling);
+            let (c, s) = (
+                f.cos() * self.attention_scaling,
+                f.sin() * self.attention_scaling,
+            );
             let (a, b) = (x[i], x[i + half]);
             x[i] = a * c - b * s;
             x[i + half] = b * c + a * s;

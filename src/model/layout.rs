@@ -11,7 +11,10 @@ pub enum Kind {
     Float,
     /// F8_E4M3 codes; `scale` names the UE8M0 tensor with one scale per
     /// `block` (rows, cols).
-    Fp8 { scale: String, block: (usize, usize) },
+    Fp8 {
+        scale: String,
+        block: (usize, usize),
+    },
     /// Packed E2M1 pairs in I8/U8 (low nibble = even column); `scale` names
     /// the UE8M0 tensor with one scale per 32 columns.
     Fp4 { scale: String },
@@ -36,7 +39,9 @@ impl Kind {
     pub fn describe(&self, dtype: Dtype) -> String {
         match self {
             Kind::Float => format!("{dtype} dense"),
-            Kind::Fp8 { block, .. } => format!("FP8 E4M3, UE8M0 scale per {}x{} block", block.0, block.1),
+            Kind::Fp8 { block, .. } => {
+                format!("FP8 E4M3, UE8M0 scale per {}x{} block", block.0, block.1)
+            }
             Kind::Fp4 { .. } => "FP4 E2M1 (2 per byte), UE8M0 scale per 32".into(),
             Kind::Scale { of } => format!("UE8M0 scales of {of}"),
             Kind::Index => format!("{dtype} index table"),
@@ -87,13 +92,24 @@ impl Naming {
 }
 
 fn float(name: impl Into<String>, shape: &[usize]) -> Expected {
-    Expected { name: name.into(), shape: shape.to_vec(), kind: Kind::Float }
+    Expected {
+        name: name.into(),
+        shape: shape.to_vec(),
+        kind: Kind::Float,
+    }
 }
 
 /// A weight [rows, cols] stored as `fmt` (plus its scale tensor when quantized).
 /// `base` is the name without `.weight`; `scale_suffix` is `scale` (release)
 /// or `weight_scale_inv` (transformers).
-fn linear(out: &mut Vec<Expected>, base: &str, rows: usize, cols: usize, fmt: StoredAs, scale_suffix: &str) {
+fn linear(
+    out: &mut Vec<Expected>,
+    base: &str,
+    rows: usize,
+    cols: usize,
+    fmt: StoredAs,
+    scale_suffix: &str,
+) {
     let weight = format!("{base}.weight");
     let scale = format!("{base}.{scale_suffix}");
     match fmt {
@@ -102,7 +118,10 @@ fn linear(out: &mut Vec<Expected>, base: &str, rows: usize, cols: usize, fmt: St
             out.push(Expected {
                 name: weight.clone(),
                 shape: vec![rows, cols],
-                kind: Kind::Fp8 { scale: scale.clone(), block: (128, 128) },
+                kind: Kind::Fp8 {
+                    scale: scale.clone(),
+                    block: (128, 128),
+                },
             });
             out.push(Expected {
                 name: scale,
@@ -114,9 +133,15 @@ fn linear(out: &mut Vec<Expected>, base: &str, rows: usize, cols: usize, fmt: St
             out.push(Expected {
                 name: weight.clone(),
                 shape: vec![rows, cols / 2],
-                kind: Kind::Fp4 { scale: scale.clone() },
+                kind: Kind::Fp4 {
+                    scale: scale.clone(),
+                },
             });
-            out.push(Expected { name: scale, shape: vec![rows, cols / 32], kind: Kind::Scale { of: weight } });
+            out.push(Expected {
+                name: scale,
+                shape: vec![rows, cols / 32],
+                kind: Kind::Scale { of: weight },
+            });
         }
     }
 }
@@ -130,12 +155,19 @@ enum StoredAs {
 
 /// Every tensor `cfg` needs, in the given naming. Errors when the naming
 /// does not exist for the family.
-pub fn expected(cfg: &ModelConfig, naming: Naming, fused_experts: bool) -> Result<Vec<Expected>, String> {
+pub fn expected(
+    cfg: &ModelConfig,
+    naming: Naming,
+    fused_experts: bool,
+) -> Result<Vec<Expected>, String> {
     match (cfg.family, naming) {
         (Family::DeepseekV4, Naming::Dsv4Release) => Ok(dsv4_release(cfg)),
         (Family::DeepseekV4, Naming::Hf) => dsv4_hf(cfg),
         (_, Naming::Hf) => Ok(llama_like(cfg, fused_experts)),
-        (f, Naming::Dsv4Release) => Err(format!("{} checkpoints have no DeepSeek V4 release naming", f.name())),
+        (f, Naming::Dsv4Release) => Err(format!(
+            "{} checkpoints have no DeepSeek V4 release naming",
+            f.name()
+        )),
     }
 }
 
@@ -174,13 +206,25 @@ fn llama_like(cfg: &ModelConfig, fused_experts: bool) -> Vec<Expected> {
                 let (e, i) = (m.num_experts, m.moe_intermediate_size);
                 out.push(float(format!("{p}.mlp.gate.weight"), &[e, d]));
                 if fused_experts {
-                    out.push(float(format!("{p}.mlp.experts.gate_up_proj"), &[e, 2 * i, d]));
+                    out.push(float(
+                        format!("{p}.mlp.experts.gate_up_proj"),
+                        &[e, 2 * i, d],
+                    ));
                     out.push(float(format!("{p}.mlp.experts.down_proj"), &[e, d, i]));
                 } else {
                     for x in 0..e {
-                        out.push(float(format!("{p}.mlp.experts.{x}.gate_proj.weight"), &[i, d]));
-                        out.push(float(format!("{p}.mlp.experts.{x}.up_proj.weight"), &[i, d]));
-                        out.push(float(format!("{p}.mlp.experts.{x}.down_proj.weight"), &[d, i]));
+                        out.push(float(
+                            format!("{p}.mlp.experts.{x}.gate_proj.weight"),
+                            &[i, d],
+                        ));
+                        out.push(float(
+                            format!("{p}.mlp.experts.{x}.up_proj.weight"),
+                            &[i, d],
+                        ));
+                        out.push(float(
+                            format!("{p}.mlp.experts.{x}.down_proj.weight"),
+                            &[d, i],
+                        ));
                     }
                 }
             }
@@ -194,7 +238,9 @@ fn llama_like(cfg: &ModelConfig, fused_experts: bool) -> Vec<Expected> {
 }
 
 fn dsv4(cfg: &ModelConfig) -> &Dsv4Config {
-    cfg.dsv4.as_ref().expect("deepseek_v4 config carries its Dsv4Config")
+    cfg.dsv4
+        .as_ref()
+        .expect("deepseek_v4 config carries its Dsv4Config")
 }
 
 /// Per-layer attention kind of a DeepSeek V4 layer.
@@ -224,7 +270,11 @@ fn dsv4_release(cfg: &ModelConfig) -> Vec<Expected> {
     let (e, i, k) = (moe.num_experts, moe.moe_intermediate_size, moe.top_k);
     let hc = v.hc_mult;
     let mix = (2 + hc) * hc;
-    let dense = if v.fp8_dense { StoredAs::Fp8 } else { StoredAs::Float };
+    let dense = if v.fp8_dense {
+        StoredAs::Fp8
+    } else {
+        StoredAs::Float
+    };
     let experts = if v.fp4_experts { StoredAs::Fp4 } else { dense };
     let mut out = vec![
         float("embed.weight", &[cfg.vocab_size, d]),
@@ -244,13 +294,41 @@ fn dsv4_release(cfg: &ModelConfig) -> Vec<Expected> {
             out.push(float(format!("{p}.hc_{which}_scale"), &[3]));
         }
         let a = format!("{p}.attn");
-        linear(&mut out, &format!("{a}.wq_a"), v.q_lora_rank, d, dense, "scale");
+        linear(
+            &mut out,
+            &format!("{a}.wq_a"),
+            v.q_lora_rank,
+            d,
+            dense,
+            "scale",
+        );
         out.push(float(format!("{a}.q_norm.weight"), &[v.q_lora_rank]));
-        linear(&mut out, &format!("{a}.wq_b"), h * hd, v.q_lora_rank, dense, "scale");
+        linear(
+            &mut out,
+            &format!("{a}.wq_b"),
+            h * hd,
+            v.q_lora_rank,
+            dense,
+            "scale",
+        );
         linear(&mut out, &format!("{a}.wkv"), hd, d, dense, "scale");
         out.push(float(format!("{a}.kv_norm.weight"), &[hd]));
-        linear(&mut out, &format!("{a}.wo_a"), v.o_groups * v.o_lora_rank, h * hd / v.o_groups, dense, "scale");
-        linear(&mut out, &format!("{a}.wo_b"), d, v.o_groups * v.o_lora_rank, dense, "scale");
+        linear(
+            &mut out,
+            &format!("{a}.wo_a"),
+            v.o_groups * v.o_lora_rank,
+            h * hd / v.o_groups,
+            dense,
+            "scale",
+        );
+        linear(
+            &mut out,
+            &format!("{a}.wo_b"),
+            d,
+            v.o_groups * v.o_lora_rank,
+            dense,
+            "scale",
+        );
         out.push(float(format!("{a}.attn_sink"), &[h]));
         let kind = dsv4_attn_kind(v, l);
         if kind != AttnKind::Sliding {
@@ -265,7 +343,14 @@ fn dsv4_release(cfg: &ModelConfig) -> Vec<Expected> {
             if kind == AttnKind::Csa {
                 let (ih, id) = (v.index_n_heads, v.index_head_dim);
                 let ip = format!("{a}.indexer");
-                linear(&mut out, &format!("{ip}.wq_b"), ih * id, v.q_lora_rank, dense, "scale");
+                linear(
+                    &mut out,
+                    &format!("{ip}.wq_b"),
+                    ih * id,
+                    v.q_lora_rank,
+                    dense,
+                    "scale",
+                );
                 out.push(float(format!("{ip}.weights_proj.weight"), &[ih, d]));
                 out.push(float(format!("{ip}.compressor.wkv.weight"), &[2 * id, d]));
                 out.push(float(format!("{ip}.compressor.wgate.weight"), &[2 * id, d]));
@@ -276,20 +361,66 @@ fn dsv4_release(cfg: &ModelConfig) -> Vec<Expected> {
         let f = format!("{p}.ffn");
         out.push(float(format!("{f}.gate.weight"), &[e, d]));
         if l < v.num_hash_layers {
-            out.push(Expected { name: format!("{f}.gate.tid2eid"), shape: vec![cfg.vocab_size, k], kind: Kind::Index });
+            out.push(Expected {
+                name: format!("{f}.gate.tid2eid"),
+                shape: vec![cfg.vocab_size, k],
+                kind: Kind::Index,
+            });
         } else {
             out.push(float(format!("{f}.gate.bias"), &[e]));
         }
         if moe.n_shared_experts > 0 {
             let si = i * moe.n_shared_experts;
-            linear(&mut out, &format!("{f}.shared_experts.w1"), si, d, dense, "scale");
-            linear(&mut out, &format!("{f}.shared_experts.w2"), d, si, dense, "scale");
-            linear(&mut out, &format!("{f}.shared_experts.w3"), si, d, dense, "scale");
+            linear(
+                &mut out,
+                &format!("{f}.shared_experts.w1"),
+                si,
+                d,
+                dense,
+                "scale",
+            );
+            linear(
+                &mut out,
+                &format!("{f}.shared_experts.w2"),
+                d,
+                si,
+                dense,
+                "scale",
+            );
+            linear(
+                &mut out,
+                &format!("{f}.shared_experts.w3"),
+                si,
+                d,
+                dense,
+                "scale",
+            );
         }
         for x in 0..e {
-            linear(&mut out, &format!("{f}.experts.{x}.w1"), i, d, experts, "scale");
-            linear(&mut out, &format!("{f}.experts.{x}.w2"), d, i, experts, "scale");
-            linear(&mut out, &format!("{f}.experts.{x}.w3"), i, d, experts, "scale");
+            linear(
+                &mut out,
+                &format!("{f}.experts.{x}.w1"),
+                i,
+                d,
+                experts,
+                "scale",
+            );
+            linear(
+                &mut out,
+                &format!("{f}.experts.{x}.w2"),
+                d,
+                i,
+                experts,
+                "scale",
+            );
+            linear(
+                &mut out,
+                &format!("{f}.experts.{x}.w3"),
+                i,
+                d,
+                experts,
+                "scale",
+            );
         }
     }
     out
@@ -325,12 +456,30 @@ pub fn dsv4_release_to_hf(name: &str) -> String {
         ("hc_ffn_fn", "ffn_hc.fn"),
         ("hc_ffn_base", "ffn_hc.base"),
         ("hc_ffn_scale", "ffn_hc.scale"),
-        ("attn.indexer.compressor.wkv.", "self_attn.compressor.indexer.kv_proj."),
-        ("attn.indexer.compressor.wgate.", "self_attn.compressor.indexer.gate_proj."),
-        ("attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias"),
-        ("attn.indexer.compressor.norm.", "self_attn.compressor.indexer.kv_norm."),
-        ("attn.indexer.wq_b.", "self_attn.compressor.indexer.q_b_proj."),
-        ("attn.indexer.weights_proj.", "self_attn.compressor.indexer.scorer.weights_proj."),
+        (
+            "attn.indexer.compressor.wkv.",
+            "self_attn.compressor.indexer.kv_proj.",
+        ),
+        (
+            "attn.indexer.compressor.wgate.",
+            "self_attn.compressor.indexer.gate_proj.",
+        ),
+        (
+            "attn.indexer.compressor.ape",
+            "self_attn.compressor.indexer.position_bias",
+        ),
+        (
+            "attn.indexer.compressor.norm.",
+            "self_attn.compressor.indexer.kv_norm.",
+        ),
+        (
+            "attn.indexer.wq_b.",
+            "self_attn.compressor.indexer.q_b_proj.",
+        ),
+        (
+            "attn.indexer.weights_proj.",
+            "self_attn.compressor.indexer.scorer.weights_proj.",
+        ),
         ("attn.compressor.wkv.", "self_attn.compressor.kv_proj."),
         ("attn.compressor.wgate.", "self_attn.compressor.gate_proj."),
         ("attn.compressor.ape", "self_attn.compressor.position_bias"),
@@ -351,7 +500,11 @@ pub fn dsv4_release_to_hf(name: &str) -> String {
     ];
     for (from, to) in renames {
         if let Some(leaf) = tail.strip_prefix(from) {
-            let leaf = if leaf == "scale" { "weight_scale_inv" } else { leaf };
+            let leaf = if leaf == "scale" {
+                "weight_scale_inv"
+            } else {
+                leaf
+            };
             return format!("model.layers.{layer}.{to}{leaf}");
         }
     }
@@ -375,21 +528,41 @@ fn dsv4_hf(cfg: &ModelConfig) -> Result<Vec<Expected>, String> {
             if let Some(prefix) = x.name.strip_suffix(".ffn.experts.0.w1.weight") {
                 let l = prefix.trim_start_matches("layers.");
                 if v.fp8_dense {
-                    return Err("FP8 routed experts are only supported in the DeepSeek V4 release naming".into());
+                    return Err(
+                        "FP8 routed experts are only supported in the DeepSeek V4 release naming"
+                            .into(),
+                    );
                 }
-                out.push(float(format!("model.layers.{l}.mlp.experts.gate_up_proj"), &[e, 2 * i, d]));
-                out.push(float(format!("model.layers.{l}.mlp.experts.down_proj"), &[e, d, i]));
+                out.push(float(
+                    format!("model.layers.{l}.mlp.experts.gate_up_proj"),
+                    &[e, 2 * i, d],
+                ));
+                out.push(float(
+                    format!("model.layers.{l}.mlp.experts.down_proj"),
+                    &[e, d, i],
+                ));
             }
             continue;
         }
         let name = dsv4_release_to_hf(&x.name);
         let kind = match x.kind {
-            Kind::Fp8 { scale, block } => Kind::Fp8 { scale: dsv4_release_to_hf(&scale), block },
-            Kind::Fp4 { scale } => Kind::Fp4 { scale: dsv4_release_to_hf(&scale) },
-            Kind::Scale { of } => Kind::Scale { of: dsv4_release_to_hf(&of) },
+            Kind::Fp8 { scale, block } => Kind::Fp8 {
+                scale: dsv4_release_to_hf(&scale),
+                block,
+            },
+            Kind::Fp4 { scale } => Kind::Fp4 {
+                scale: dsv4_release_to_hf(&scale),
+            },
+            Kind::Scale { of } => Kind::Scale {
+                of: dsv4_release_to_hf(&of),
+            },
             other => other,
         };
-        out.push(Expected { name, shape: x.shape, kind });
+        out.push(Expected {
+            name,
+            shape: x.shape,
+            kind,
+        });
     }
     Ok(out)
 }

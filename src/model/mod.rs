@@ -22,7 +22,10 @@ pub enum ModelError {
     #[error("{} is not a directory (pass the model directory that holds config.json and the .safetensors files)", .0.display())]
     NotADirectory(PathBuf),
     #[error("cannot read {}: {source}", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{0}")]
     Config(#[from] ConfigError),
     #[error("{0}")]
@@ -30,17 +33,34 @@ pub enum ModelError {
     #[error("{}: {message}", path.display())]
     Index { path: PathBuf, message: String },
     #[error("{}: shard {} is missing ({tensors} tensors are listed in it)", index.display(), shard.display())]
-    MissingShard { index: PathBuf, shard: PathBuf, tensors: usize },
+    MissingShard {
+        index: PathBuf,
+        shard: PathBuf,
+        tensors: usize,
+    },
     #[error("no weights in {}: expected model.safetensors, model.safetensors.index.json with its shards, or *.safetensors files", dir.display())]
     NoWeights { dir: PathBuf },
     #[error("tensor {name:?} is in both {} and {}", first.display(), second.display())]
-    DuplicateTensor { name: String, first: PathBuf, second: PathBuf },
+    DuplicateTensor {
+        name: String,
+        first: PathBuf,
+        second: PathBuf,
+    },
     #[error("{what}")]
     Naming { what: String },
     #[error("tensor {name:?} is missing: expected {expected}{}", more_note(*more))]
-    MissingTensor { name: String, expected: String, more: usize },
+    MissingTensor {
+        name: String,
+        expected: String,
+        more: usize,
+    },
     #[error("tensor {name:?}: expected {expected}, found {found}{}", more_note(*more))]
-    TensorMismatch { name: String, expected: String, found: String, more: usize },
+    TensorMismatch {
+        name: String,
+        expected: String,
+        found: String,
+        more: usize,
+    },
     #[error("{0}")]
     Tokenizer(#[from] TokenizerError),
 }
@@ -67,7 +87,11 @@ pub struct GenerationConfig {
 }
 
 impl GenerationConfig {
-    pub fn from_json_str(source: &str, text: &str, vocab: usize) -> Result<GenerationConfig, ConfigError> {
+    pub fn from_json_str(
+        source: &str,
+        text: &str,
+        vocab: usize,
+    ) -> Result<GenerationConfig, ConfigError> {
         let root = parse_json(source, text)?;
         let f = Fields::new(source, &root)?;
         let single = |field: &str| -> Result<Option<u32>, ConfigError> {
@@ -98,14 +122,21 @@ fn parse_json(source: &str, text: &str) -> Result<Value, ConfigError> {
         } else {
             ""
         };
-        ConfigError { file: source.into(), field: String::new(), message: format!("not valid JSON: {e}{hint}") }
+        ConfigError {
+            file: source.into(),
+            field: String::new(),
+            message: format!("not valid JSON: {e}{hint}"),
+        }
     })
 }
 
 /// Read and parse `dir/config.json`.
 pub fn read_config(dir: &Path) -> Result<ModelConfig, ModelError> {
     let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
+    let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+        path: path.clone(),
+        source,
+    })?;
     let source = path.display().to_string();
     let root = parse_json(&source, &text)?;
     Ok(ModelConfig::from_json(&source, &root)?)
@@ -182,16 +213,25 @@ impl ModelDir {
         let config = read_config(dir)?;
         let gen_path = dir.join("generation_config.json");
         let generation = if gen_path.exists() {
-            let text =
-                std::fs::read_to_string(&gen_path).map_err(|source| ModelError::Io { path: gen_path.clone(), source })?;
-            Some(GenerationConfig::from_json_str(&gen_path.display().to_string(), &text, config.vocab_size)?)
+            let text = std::fs::read_to_string(&gen_path).map_err(|source| ModelError::Io {
+                path: gen_path.clone(),
+                source,
+            })?;
+            Some(GenerationConfig::from_json_str(
+                &gen_path.display().to_string(),
+                &text,
+                config.vocab_size,
+            )?)
         } else {
             None
         };
         let weights = WeightStore::open(dir)?;
         let naming = detect_naming(&config, &weights)?;
-        let fused = weights.names().any(|n| n.ends_with(".mlp.experts.gate_up_proj"));
-        let expected = layout::expected(&config, naming, fused).map_err(|what| ModelError::Naming { what })?;
+        let fused = weights
+            .names()
+            .any(|n| n.ends_with(".mlp.experts.gate_up_proj"));
+        let expected =
+            layout::expected(&config, naming, fused).map_err(|what| ModelError::Naming { what })?;
         check_tensors(&weights, &expected)?;
         check_index_tables(&config, &weights, &expected)?;
         let tokenizer = if dir.join("tokenizer.json").exists() {
@@ -210,19 +250,40 @@ impl ModelDir {
         } else {
             None
         };
-        Ok(ModelDir { dir: dir.to_path_buf(), config, generation, weights, naming, expected, tokenizer })
+        Ok(ModelDir {
+            dir: dir.to_path_buf(),
+            config,
+            generation,
+            weights,
+            naming,
+            expected,
+            tokenizer,
+        })
     }
 
     /// Every tensor in the files, with its role (None: not used by bespoke).
     pub fn entries(&self) -> Vec<TensorEntry> {
-        let kinds: BTreeMap<&str, &Kind> = self.expected.iter().map(|x| (x.name.as_str(), &x.kind)).collect();
-        let shard_index: BTreeMap<&Path, usize> =
-            self.weights.shards.iter().enumerate().map(|(i, s)| (s.path.as_path(), i)).collect();
+        let kinds: BTreeMap<&str, &Kind> = self
+            .expected
+            .iter()
+            .map(|x| (x.name.as_str(), &x.kind))
+            .collect();
+        let shard_index: BTreeMap<&Path, usize> = self
+            .weights
+            .shards
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.path.as_path(), i))
+            .collect();
         self.weights
             .names()
             .filter_map(|name| {
                 let t = self.weights.get(name)?;
-                let shard = self.weights.shard_of(name).map(|s| shard_index[s.path.as_path()]).unwrap_or(0);
+                let shard = self
+                    .weights
+                    .shard_of(name)
+                    .map(|s| shard_index[s.path.as_path()])
+                    .unwrap_or(0);
                 Some(TensorEntry {
                     name: name.to_string(),
                     dtype: t.dtype(),
@@ -272,12 +333,22 @@ impl ModelDir {
 
 /// Index tables (DeepSeek V4's token → expert maps) must name real experts;
 /// a bad entry would otherwise index past the expert list at run time.
-fn check_index_tables(cfg: &ModelConfig, store: &WeightStore, expected: &[Expected]) -> Result<(), ModelError> {
+fn check_index_tables(
+    cfg: &ModelConfig,
+    store: &WeightStore,
+    expected: &[Expected],
+) -> Result<(), ModelError> {
     let experts = cfg.moe.as_ref().map_or(0, |m| m.num_experts) as i64;
     for x in expected.iter().filter(|x| x.kind == Kind::Index) {
         let t = store.get(&x.name).expect("checked present");
-        let values = t.i64s().map_err(|e| ModelError::Naming { what: e.to_string() })?;
-        if let Some((i, v)) = values.iter().enumerate().find(|(_, &v)| v < 0 || v >= experts) {
+        let values = t.i64s().map_err(|e| ModelError::Naming {
+            what: e.to_string(),
+        })?;
+        if let Some((i, v)) = values
+            .iter()
+            .enumerate()
+            .find(|(_, &v)| v < 0 || v >= experts)
+        {
             let k = x.shape.last().copied().unwrap_or(1).max(1);
             return Err(ModelError::TensorMismatch {
                 name: x.name.clone(),
@@ -297,7 +368,11 @@ fn check_tensors(store: &WeightStore, expected: &[Expected]) -> Result<(), Model
     let mut more = 0;
     for x in expected {
         let problem = match store.get(&x.name) {
-            None => Some(ModelError::MissingTensor { name: x.name.clone(), expected: expected_str(x), more: 0 }),
+            None => Some(ModelError::MissingTensor {
+                name: x.name.clone(),
+                expected: expected_str(x),
+                more: 0,
+            }),
             Some(t) if !x.kind.dtypes().contains(&t.dtype()) || t.shape() != x.shape.as_slice() => {
                 Some(ModelError::TensorMismatch {
                     name: x.name.clone(),
@@ -318,10 +393,22 @@ fn check_tensors(store: &WeightStore, expected: &[Expected]) -> Result<(), Model
     }
     match first {
         None => Ok(()),
-        Some(ModelError::MissingTensor { name, expected, .. }) => Err(ModelError::MissingTensor { name, expected, more }),
-        Some(ModelError::TensorMismatch { name, expected, found, .. }) => {
-            Err(ModelError::TensorMismatch { name, expected, found, more })
-        }
+        Some(ModelError::MissingTensor { name, expected, .. }) => Err(ModelError::MissingTensor {
+            name,
+            expected,
+            more,
+        }),
+        Some(ModelError::TensorMismatch {
+            name,
+            expected,
+            found,
+            ..
+        }) => Err(ModelError::TensorMismatch {
+            name,
+            expected,
+            found,
+            more,
+        }),
         Some(other) => Err(other),
     }
 }

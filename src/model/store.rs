@@ -20,7 +20,10 @@ pub struct WeightStore {
 }
 
 fn index_err(path: &Path, message: impl Into<String>) -> ModelError {
-    ModelError::Index { path: path.to_path_buf(), message: message.into() }
+    ModelError::Index {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
 }
 
 /// A shard name from the index must name a file inside the model directory:
@@ -32,7 +35,9 @@ fn shard_path(dir: &Path, index: &Path, tensor: &str, file: &str) -> Result<Path
     if file.is_empty() || !p.components().all(|c| matches!(c, Component::Normal(_))) {
         return Err(index_err(
             index,
-            format!("weight_map[{tensor:?}] = {file:?} is not a file name inside the model directory"),
+            format!(
+                "weight_map[{tensor:?}] = {file:?} is not a file name inside the model directory"
+            ),
         ));
     }
     Ok(dir.join(p))
@@ -51,17 +56,26 @@ impl WeightStore {
             vec![single]
         } else {
             let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
-                .map_err(|source| ModelError::Io { path: dir.to_path_buf(), source })?
+                .map_err(|source| ModelError::Io {
+                    path: dir.to_path_buf(),
+                    source,
+                })?
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
                 .collect();
             found.sort();
             if found.is_empty() {
-                return Err(ModelError::NoWeights { dir: dir.to_path_buf() });
+                return Err(ModelError::NoWeights {
+                    dir: dir.to_path_buf(),
+                });
             }
             found
         };
-        let mut store = WeightStore { shards: Vec::new(), index_file: None, by_name: BTreeMap::new() };
+        let mut store = WeightStore {
+            shards: Vec::new(),
+            index_file: None,
+            by_name: BTreeMap::new(),
+        };
         for f in files {
             store.add_shard(&f)?;
         }
@@ -86,21 +100,33 @@ impl WeightStore {
     }
 
     fn open_index(dir: &Path, index: &Path) -> Result<WeightStore, ModelError> {
-        let text = std::fs::read_to_string(index).map_err(|source| ModelError::Io { path: index.into(), source })?;
-        let root: Value = serde_json::from_str(&text).map_err(|e| index_err(index, format!("not valid JSON: {e}")))?;
+        let text = std::fs::read_to_string(index).map_err(|source| ModelError::Io {
+            path: index.into(),
+            source,
+        })?;
+        let root: Value = serde_json::from_str(&text)
+            .map_err(|e| index_err(index, format!("not valid JSON: {e}")))?;
         let map = root
             .get("weight_map")
             .and_then(|m| m.as_object())
-            .ok_or_else(|| index_err(index, "has no \"weight_map\" object (tensor name → shard file)"))?;
+            .ok_or_else(|| {
+                index_err(
+                    index,
+                    "has no \"weight_map\" object (tensor name → shard file)",
+                )
+            })?;
         if map.is_empty() {
             return Err(index_err(index, "weight_map is empty"));
         }
         // Shard file → tensors the index puts there, in first-seen order.
         let mut shards: Vec<(String, Vec<&str>)> = Vec::new();
         for (tensor, file) in map {
-            let file = file
-                .as_str()
-                .ok_or_else(|| index_err(index, format!("weight_map[{tensor:?}] must be a file name string")))?;
+            let file = file.as_str().ok_or_else(|| {
+                index_err(
+                    index,
+                    format!("weight_map[{tensor:?}] must be a file name string"),
+                )
+            })?;
             shard_path(dir, index, tensor, file)?;
             match shards.iter_mut().find(|(f, _)| f == file) {
                 Some((_, names)) => names.push(tensor),
@@ -108,7 +134,11 @@ impl WeightStore {
             }
         }
         shards.sort_by(|a, b| a.0.cmp(&b.0));
-        let mut store = WeightStore { shards: Vec::new(), index_file: Some(index.to_path_buf()), by_name: BTreeMap::new() };
+        let mut store = WeightStore {
+            shards: Vec::new(),
+            index_file: Some(index.to_path_buf()),
+            by_name: BTreeMap::new(),
+        };
         for (file, names) in &shards {
             let path = dir.join(file);
             if !path.exists() {
@@ -123,7 +153,9 @@ impl WeightStore {
                 if !store.shards[n].header.tensors.contains_key(*name) {
                     return Err(index_err(
                         index,
-                        format!("says tensor {name:?} is in {file}, but that file does not hold it"),
+                        format!(
+                            "says tensor {name:?} is in {file}, but that file does not hold it"
+                        ),
                     ));
                 }
             }

@@ -373,7 +373,14 @@ fn rope_scaling(f: &Fields, max_pos: usize) -> Result<RopeScaling, ConfigError> 
         (None, None) => "default",
     };
     let factor = || obj.float("factor", None, 1e-6, 1e6);
-    let orig = || obj.usize("original_max_position_embeddings", Some(max_pos), 1, 1 << 31);
+    let orig = || {
+        obj.usize(
+            "original_max_position_embeddings",
+            Some(max_pos),
+            1,
+            1 << 31,
+        )
+    };
     Ok(match kind {
         "default" => RopeScaling::None,
         "linear" => RopeScaling::Linear { factor: factor()? },
@@ -529,13 +536,23 @@ fn parse_dsv4(f: &Fields, model_type: &str) -> Result<ModelConfig, ConfigError> 
     };
     let n_shared = f.usize("n_shared_experts", Some(1), 0, 64)?;
     // Legacy key, else transformers 5's partial_rotary_factor of the main rope.
-    let from_factor = match f.nested("rope_parameters")?.map(|rp| rp.nested("main")).transpose()?.flatten() {
+    let from_factor = match f
+        .nested("rope_parameters")?
+        .map(|rp| rp.nested("main"))
+        .transpose()?
+        .flatten()
+    {
         Some(main) => main
             .opt_float("partial_rotary_factor", 0.0, 1.0)?
             .map(|p| (p * c.head_dim as f64).round() as usize),
         None => None,
     };
-    let qk_rope_head_dim = f.usize("qk_rope_head_dim", Some(from_factor.unwrap_or(64)), 0, c.head_dim)?;
+    let qk_rope_head_dim = f.usize(
+        "qk_rope_head_dim",
+        Some(from_factor.unwrap_or(64)),
+        0,
+        c.head_dim,
+    )?;
     if qk_rope_head_dim % 2 != 0 {
         return Err(f.err(
             "qk_rope_head_dim",
@@ -640,7 +657,10 @@ fn parse_dsv4(f: &Fields, model_type: &str) -> Result<ModelConfig, ConfigError> 
     let quantized = f.get("quantization_config").is_some();
     if quantized && fp4_experts {
         // FP4 scales cover 32 input columns: both expert input widths must be whole blocks.
-        for (field, n) in [("hidden_size", c.hidden), ("moe_intermediate_size", moe_inter)] {
+        for (field, n) in [
+            ("hidden_size", c.hidden),
+            ("moe_intermediate_size", moe_inter),
+        ] {
             if n % 32 != 0 {
                 return Err(f.err(
                     field,
@@ -715,7 +735,11 @@ fn dsv4_rope_scaling(f: &Fields, max_pos: usize) -> Result<RopeScaling, ConfigEr
         Some(rp) => rp.nested("main")?.is_some() && rp.nested("compress")?.is_some(),
         None => false,
     };
-    if let RopeScaling::Yarn { attention_factor: a @ None, .. } = &mut s {
+    if let RopeScaling::Yarn {
+        attention_factor: a @ None,
+        ..
+    } = &mut s
+    {
         if !nested {
             *a = Some(1.0);
         }

@@ -81,19 +81,29 @@ use std::path::Path;
 
 /// A fixture directory, opened, with its ref.json.
 pub fn fixture(name: &str) -> (ModelDir, Value) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(name);
     let m = ModelDir::open(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("ref.json")).unwrap()).unwrap();
+    let r: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("ref.json")).unwrap()).unwrap();
     (m, r)
 }
 
 pub fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 /// Every compiled kernel variant this CPU can run.
 pub fn variants() -> Vec<Kernels> {
-    COMPILED_ISAS.iter().filter_map(|&isa| Kernels::with_isa(isa).ok()).collect()
+    COMPILED_ISAS
+        .iter()
+        .filter_map(|&isa| Kernels::with_isa(isa).ok())
+        .collect()
 }
 
 pub fn argmaxes(logits: &[f32], vocab: usize) -> Vec<u32> {
@@ -109,7 +119,10 @@ pub fn check_model(name: &str) {
     assert!(!ks.is_empty(), "no kernel variant runs on this CPU");
     for k in ks {
         let eng = AnyModel::load(&m, k).unwrap();
-        assert!(eng.weights_in_place(), "{name}: weights must be read from the mapping");
+        assert!(
+            eng.weights_in_place(),
+            "{name}: weights must be read from the mapping"
+        );
         let vocab = CausalLm::vocab(&eng);
         for (pi, p) in r["prompts"].as_array().unwrap().iter().enumerate() {
             let what = format!("{name} / {} / {}", k.isa(), p["name"]);
@@ -117,12 +130,28 @@ pub fn check_model(name: &str) {
             let mut cache = CausalLm::new_cache(&eng, prompt.len() + n_new).unwrap();
             // Teacher forcing, prefill in 64-token chunks (the long prompt crosses one).
             let logits = CausalLm::prefill(&eng, &mut cache, &prompt, 64, true).unwrap();
-            assert_eq!(argmaxes(&logits, vocab), ids(&p["argmax"]), "{what}: teacher-forcing argmax");
+            assert_eq!(
+                argmaxes(&logits, vocab),
+                ids(&p["argmax"]),
+                "{what}: teacher-forcing argmax"
+            );
             if pi == 0 {
-                let want: Vec<f32> = r["last_logits"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+                let want: Vec<f32> = r["last_logits"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_f64().unwrap() as f32)
+                    .collect();
                 let got = &logits[logits.len() - vocab..];
-                let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-                assert!(diff < 2e-3, "{what}: last logits differ from transformers by {diff}");
+                let diff = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(
+                    diff < 2e-3,
+                    "{what}: last logits differ from transformers by {diff}"
+                );
             }
             // Greedy decode through the cache, one token per forward.
             let mut next = argmax(&logits[logits.len() - vocab..]);
@@ -141,8 +170,10 @@ pub fn check_model(name: &str) {
             all.extend_from_slice(&out[..n_new - 1]);
             let mut fresh = CausalLm::new_cache(&eng, all.len()).unwrap();
             let full = CausalLm::prefill(&eng, &mut fresh, &all, 7, false).unwrap();
-            assert_eq!(full, last, "{what}: cached decode differs from a full recompute");
+            assert_eq!(
+                full, last,
+                "{what}: cached decode differs from a full recompute"
+            );
         }
     }
 }
-
