@@ -74,6 +74,18 @@ BS_ALWAYS_INLINE void bs_dec32_e2m1(const void *p, bs_vf o[2][BS_G]) {
 /* Lane numbers 0..15, for masking a partial lane group. */
 static const float BS_LANE_INDEX[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
+/* The fixed reduction tree over an accumulator held in a permuted lane
+ * order: physical slot p holds logical lane lanes[p]; the lanes are put back
+ * in logical order first, so the sum is the one bs_reduce16 defines. */
+BS_ALWAYS_INLINE float bs_reduce16_from(const bs_vf a[BS_G], const float lanes[16]) {
+    float t[16], u[16];
+    bs_vf b[BS_G];
+    bs_store16(t, a);
+    for (int p = 0; p < 16; ++p) u[(int)lanes[p]] = t[p];
+    bs_load16(b, u);
+    return bs_reduce16(b);
+}
+
 /* Dot product of two f32 rows in the lane order: lane l takes columns
  * c = l (mod 16) in order with FMA, then the fixed tree. */
 BS_ALWAYS_INLINE float bs_dot16(const float *a, const float *b, size_t n) {

@@ -84,6 +84,79 @@ static inline void bs_dec32_e2m1(const void *p, bs_vf o[2][BS_G]) {
     o[1][1] = _mm256_cvtph_ps(_mm256_extracti128_si256(c, 1));
 }
 
+/* ---- Permuted lane orders (templates/matmul.c.tera, "permuted" formats) ----
+ * Building each f32 straight from its bytes (no F16C, no rescale) leaves the
+ * columns of a 16-column group in a shuffled order: physical slot p holds
+ * logical lane BS_LANES_*[p]. The kernels permute x to match once per call
+ * and un-permute each accumulator before the reduction tree, so the sums are
+ * the same operations in the same order as the logical layout. */
+
+/* FP4: one 16-byte block broadcast to both 128-bit halves, low nibbles (even
+ * columns) in the low half, high nibbles (odd columns) in the high half; two
+ * pshufb give each code's f32 bytes 3 and 2 (every E2M1 value is exact in
+ * the top 16 bits of an f32), two unpacks pair them, and a shift / a mask
+ * split each 32-bit pair into two f32 vectors. */
+static const float BS_LANES_FP4[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+typedef __m256i bs_chk;
+static inline bs_chk bs_chk_init(void) { return _mm256_set1_epi8(-1); }
+static inline int bs_chk_ok(bs_chk c) { return _mm256_movemask_epi8(c) == -1; }
+
+static inline void bs_dec32p_e2m1(const void *p, bs_vf o[2][BS_G]) {
+    const __m256i th = _mm256_setr_epi8(0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, (char)0x80, (char)0xBF,
+                                        (char)0xBF, (char)0xBF, (char)0xC0, (char)0xC0, (char)0xC0, (char)0xC0,
+                                        0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, (char)0x80, (char)0xBF,
+                                        (char)0xBF, (char)0xBF, (char)0xC0, (char)0xC0, (char)0xC0, (char)0xC0);
+    const __m256i tl = _mm256_setr_epi8(0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0,
+                                        0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0,
+                                        0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0,
+                                        0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0);
+    __m256i y = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    __m256i c = _mm256_and_si256(_mm256_srlv_epi32(y, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
+    __m256i hi = _mm256_shuffle_epi8(th, c), lo = _mm256_shuffle_epi8(tl, c);
+    __m256i u0 = _mm256_unpacklo_epi8(lo, hi); /* columns 0,2,..,14 | 1,3,..,15 as 16-bit tops */
+    __m256i u1 = _mm256_unpackhi_epi8(lo, hi); /* columns 16,18,..,30 | 17,19,..,31 */
+    const __m256i top = _mm256_set1_epi32((int)0xFFFF0000);
+    o[0][0] = _mm256_castsi256_ps(_mm256_slli_epi32(u0, 16));
+    o[0][1] = _mm256_castsi256_ps(_mm256_and_si256(u0, top));
+    o[1][0] = _mm256_castsi256_ps(_mm256_slli_epi32(u1, 16));
+    o[1][1] = _mm256_castsi256_ps(_mm256_and_si256(u1, top));
+}
+
+/* FP8: every normal E4M3 value is a BF16 value whose bits are the code's
+ * shifted into place plus an exponent rebias: bf16 = ((b << 8) >>arith 4 &
+ * 0x87F0) + 0x3C00 (120 << 7). Zero, subnormals and NaN do not follow that
+ * rule; *chk records whether all 32 codes are normal (magnitude 8..126), and
+ * a block where one is not is redone with the exact bs_dec16p_e4m3. */
+static const float BS_LANES_FP8[16] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
+
+static inline void bs_dec32p_e4m3(const void *p, bs_vf o[2][BS_G], bs_chk *chk) {
+    __m256i b = _mm256_loadu_si256((const __m256i *)p);
+    /* magnitude + 120 as a signed byte is below -9 exactly for magnitudes 8..126 */
+    __m256i v = _mm256_add_epi8(_mm256_and_si256(b, _mm256_set1_epi8(0x7F)), _mm256_set1_epi8(0x78));
+    *chk = _mm256_and_si256(*chk, _mm256_cmpgt_epi8(_mm256_set1_epi8(-9), v));
+    b = _mm256_permute4x64_epi64(b, 0xD8); /* columns 0..7, 16..23 | 8..15, 24..31 */
+    __m256i u0 = _mm256_unpacklo_epi8(_mm256_setzero_si256(), b); /* code << 8: columns 0..7 | 8..15 */
+    __m256i u1 = _mm256_unpackhi_epi8(_mm256_setzero_si256(), b); /* columns 16..23 | 24..31 */
+    const __m256i keep = _mm256_set1_epi16((short)0x87F0), bias = _mm256_set1_epi16(0x3C00);
+    u0 = _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(u0, 4), keep), bias);
+    u1 = _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(u1, 4), keep), bias);
+    const __m256i top = _mm256_set1_epi32((int)0xFFFF0000);
+    o[0][0] = _mm256_castsi256_ps(_mm256_slli_epi32(u0, 16));
+    o[0][1] = _mm256_castsi256_ps(_mm256_and_si256(u0, top));
+    o[1][0] = _mm256_castsi256_ps(_mm256_slli_epi32(u1, 16));
+    o[1][1] = _mm256_castsi256_ps(_mm256_and_si256(u1, top));
+}
+
+/* 16 E4M3 columns, exact for every code, in the BS_LANES_FP8 order. */
+static inline void bs_dec16p_e4m3(const void *p, bs_vf o[BS_G]) {
+    bs_vf n[BS_G];
+    bs_dec16_e4m3(p, n);
+    __m256 ev = _mm256_shuffle_ps(n[0], n[1], _MM_SHUFFLE(2, 0, 2, 0)); /* 0 2 8 10 | 4 6 12 14 */
+    __m256 od = _mm256_shuffle_ps(n[0], n[1], _MM_SHUFFLE(3, 1, 3, 1)); /* 1 3 9 11 | 5 7 13 15 */
+    o[0] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ev), 0xD8));
+    o[1] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(od), 0xD8));
+}
+
 static inline void bs_store16(float *t, const bs_vf a[BS_G]) { _mm256_storeu_ps(t, a[0]); _mm256_storeu_ps(t + 8, a[1]); }
 static inline void bs_load16(bs_vf a[BS_G], const float *t) { a[0] = _mm256_loadu_ps(t); a[1] = _mm256_loadu_ps(t + 8); }
 

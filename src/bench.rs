@@ -195,9 +195,26 @@ fn make_weights(format: Format, rows: usize, cols: usize, seed: u64) -> Weights0
                 .collect()
         }
         Format::Bf16 => w.h = (0..n).map(|_| 0x3C00 | (next() % 0x100) as u16).collect(),
-        Format::Fp8 | Format::Fp4 => {
-            let bytes = if format == Format::Fp8 { n } else { n / 2 };
-            w.b = (0..bytes).map(|_| (next() as u8) & 0x77).collect();
+        Format::Fp8 => {
+            // Codes distributed as in a real checkpoint: Gaussian weights
+            // scaled so that a 128x128 block's largest lands near 448
+            // (sigma = 100), rounded to E4M3 -- nearly all normal, a zero or
+            // subnormal code rare. (A 4096-entry table of such codes, then
+            // picked at random.)
+            let mut unit = || (next() >> 11) as f64 / (1u64 << 53) as f64;
+            let table: Vec<u8> = (0..4096)
+                .map(|_| {
+                    let (u1, u2) = (unit().max(1e-12), unit());
+                    let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+                    crate::formats::f32_to_e4m3((z * 100.0) as f32)
+                })
+                .collect();
+            w.b = (0..n).map(|_| table[(next() % 4096) as usize]).collect();
+            let (sr, sc) = format.scale_shape(rows, cols).unwrap_or((0, 0));
+            w.s = vec![120; sr * sc];
+        }
+        Format::Fp4 => {
+            w.b = (0..n / 2).map(|_| next() as u8).collect();
             let (sr, sc) = format.scale_shape(rows, cols).unwrap_or((0, 0));
             w.s = vec![120; sr * sc];
         }

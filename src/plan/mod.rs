@@ -150,6 +150,11 @@ pub struct IsaDesc {
     pub arch: &'static str,
     /// The ISA header in kernels/ that maps the primitives to intrinsics.
     pub header: &'static str,
+    /// Weight formats this ISA decodes into a permuted lane order (its header
+    /// defines `BS_LANES_<FMT>` and the `bs_dec*p_*` decoders): the kernels
+    /// copy x into that order once per call and put each accumulator back in
+    /// the logical order before the reduction, so results stay bit-identical.
+    pub permuted: &'static [&'static str],
     /// Dispatch preference: higher wins among supported variants.
     pub score: u32,
 }
@@ -166,6 +171,7 @@ impl Isa {
                 cpu_features: &[],
                 arch: "any",
                 header: "bs_isa_scalar.h",
+                permuted: &[],
                 score: 1,
             },
             Isa::Avx2 => IsaDesc {
@@ -177,6 +183,7 @@ impl Isa {
                 cpu_features: &["avx2", "fma", "f16c"],
                 arch: "x86_64",
                 header: "bs_isa_avx2.h",
+                permuted: &["fp4", "fp8"],
                 score: 20,
             },
             Isa::Avx512 => IsaDesc {
@@ -195,6 +202,7 @@ impl Isa {
                 cpu_features: &["avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"],
                 arch: "x86_64",
                 header: "bs_isa_avx512.h",
+                permuted: &[],
                 score: 30,
             },
             Isa::Neon => IsaDesc {
@@ -206,6 +214,7 @@ impl Isa {
                 cpu_features: &["neon"],
                 arch: "aarch64",
                 header: "bs_isa_neon.h",
+                permuted: &[],
                 score: 20,
             },
         }
@@ -226,7 +235,7 @@ impl Isa {
         match (self, op, scaled) {
             (Isa::Scalar, _, _) => t(1, 1),
             (Isa::Avx2, Op::Matvec, false) => t(4, 1),
-            (Isa::Avx2, Op::Matvec, true) => t(2, 1),
+            (Isa::Avx2, Op::Matvec, true) => t(1, 1),
             (Isa::Avx2, _, false) => t(2, 2),
             (Isa::Avx2, _, true) => t(1, 2),
             (Isa::Avx512, Op::Matvec, false) => t(8, 1),
