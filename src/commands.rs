@@ -6,7 +6,7 @@ use crate::inspect::human_bytes;
 use crate::kernels::Kernels;
 use crate::model::layout::Kind;
 use crate::model::ModelDir;
-use crate::plan::Format;
+use crate::plan::{Family, Format};
 use crate::sample::{argmax, SamplingParams};
 use crate::tokenizer::ChatMessage;
 use serde_json::json;
@@ -132,6 +132,15 @@ pub struct RunArgs {
     /// With --chat: a system message before the prompt.
     #[arg(long, value_name = "TEXT", requires = "chat")]
     pub system: Option<String>,
+    /// With --chat: open the reply in thinking mode. DeepSeek V4: `<think>`
+    /// (its encoding's thinking mode) instead of `</think>` (chat mode, the
+    /// default); chat templates that read `enable_thinking` (Qwen3) get true.
+    #[arg(long, requires = "chat", conflicts_with = "no_think")]
+    pub think: bool,
+    /// With --chat: templates that read `enable_thinking` (Qwen3) get false.
+    /// (DeepSeek V4 is in chat mode unless --think is given.)
+    #[arg(long, requires = "chat")]
+    pub no_think: bool,
     /// Stop after this many new tokens (default: generation_config.json's max_new_tokens, else 64).
     #[arg(long, value_name = "N")]
     pub max_new_tokens: Option<usize>,
@@ -185,11 +194,20 @@ pub fn run(a: RunArgs) -> Result<(), String> {
                     msgs.push(ChatMessage::new("system", s));
                 }
                 msgs.push(ChatMessage::new("user", &text));
-                let rendered = tok
-                    .apply_chat_template(&msgs, true)
-                    .map_err(|e| e.to_string())?;
-                // The template writes any BOS itself.
-                tok.encode(&rendered, false).map_err(|e| e.to_string())?
+                if m.config.family == Family::DeepseekV4 {
+                    crate::chat::deepseek_v4_ids(tok, &msgs, a.think)?
+                } else {
+                    let thinking = match (a.think, a.no_think) {
+                        (true, _) => Some(true),
+                        (_, true) => Some(false),
+                        _ => None,
+                    };
+                    let rendered = tok
+                        .apply_chat_template_with(&msgs, true, thinking)
+                        .map_err(|e| e.to_string())?;
+                    // The template writes any BOS itself.
+                    tok.encode(&rendered, false).map_err(|e| e.to_string())?
+                }
             } else {
                 tok.encode(&text, true).map_err(|e| e.to_string())?
             }

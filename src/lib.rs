@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod bench_e2e;
+pub mod chat;
 pub mod commands;
 pub mod cpu;
 pub mod engine;

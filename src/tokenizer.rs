@@ -202,6 +202,17 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
+        self.apply_chat_template_with(messages, add_generation_prompt, None)
+    }
+
+    /// [`Tokenizer::apply_chat_template`] with `enable_thinking` passed to
+    /// the template when given (the variable Qwen3's template reads).
+    pub fn apply_chat_template_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        enable_thinking: Option<bool>,
+    ) -> Result<String, TokenizerError> {
         let source = self.chat_template_source.as_deref().unwrap_or(&self.path);
         let template = self
             .chat_template
@@ -235,6 +246,9 @@ impl Tokenizer {
         );
         for (k, v) in &self.special {
             ctx.insert(k.clone(), Value::String(v.clone()));
+        }
+        if let Some(t) = enable_thinking {
+            ctx.insert("enable_thinking".into(), Value::Bool(t));
         }
         let tmpl = env
             .get_template("chat")

@@ -478,3 +478,25 @@ fn stop_strings_end_generation_and_are_not_printed() {
     assert!(ok);
     assert_eq!(out, format!("The old lighthouse{want}\n"));
 }
+
+/// `--chat` on DeepSeek V4 uses its own encoding, which needs its special
+/// tokens: the fixture's tokenizer (shared with the other tiny models) has
+/// none, and the run says so instead of splitting them into pieces.
+#[test]
+fn deepseek_v4_chat_needs_its_special_tokens() {
+    let (ok, _, err) = run(&[
+        "run",
+        "--model",
+        "fixtures/tiny-dsv4",
+        "--chat",
+        "--prompt",
+        "hi",
+    ]);
+    assert!(!ok);
+    assert!(
+        err.contains("chat encoding needs") && err.contains("begin▁of▁sentence"),
+        "{err}"
+    );
+    let (ok, _, err) = run(&["run", "--think", "--prompt", "hi"]);
+    assert!(!ok && err.contains("--chat"), "{err}");
+}

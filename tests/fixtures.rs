@@ -193,3 +193,62 @@ fn tokenizers_match_transformers() {
         );
     }
 }
+
+/// DeepSeek V4's chat encoding through a tokenizer that has its special
+/// tokens (the fixture's tokenizer plus DeepSeek V4's six special strings as
+/// added tokens): every special string is one token, and the ids decode back
+/// to the rendered prompt. The fixture's own tokenizer lacks them, and that
+/// is refused by name.
+#[test]
+fn deepseek_v4_chat_encoding_tokenizes_its_special_tokens() {
+    use bespoke::chat;
+    use bespoke::tokenizer::Tokenizer;
+    let src = fixture("tiny-dsv4");
+    let msgs = [
+        ChatMessage::new("system", "Be brief."),
+        ChatMessage::new("user", "The old lighthouse"),
+    ];
+    let plain = Tokenizer::load(&src).unwrap();
+    let err = chat::deepseek_v4_ids(&plain, &msgs, false).unwrap_err();
+    assert!(
+        err.contains(chat::DSV4_BOS) && err.contains("one token"),
+        "{err}"
+    );
+
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dsv4-chat-tokenizer");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut tj = json(&src.join("tokenizer.json"));
+    let specials = [
+        chat::DSV4_BOS,
+        chat::DSV4_EOS,
+        chat::DSV4_USER,
+        chat::DSV4_ASSISTANT,
+        chat::THINK_OPEN,
+        chat::THINK_CLOSE,
+    ];
+    let base = plain.vocab_size() as u64;
+    let added = tj["added_tokens"].as_array_mut().unwrap();
+    for (i, s) in specials.iter().enumerate() {
+        added.push(
+            serde_json::json!({"id": base + i as u64, "content": s, "single_word": false,
+            "lstrip": false, "rstrip": false, "normalized": false, "special": true}),
+        );
+    }
+    std::fs::write(dir.join("tokenizer.json"), tj.to_string()).unwrap();
+    let tok = Tokenizer::load(&dir).unwrap();
+    let id = |s: &str| tok.token_to_id(s).unwrap();
+    for thinking in [false, true] {
+        let ids = chat::deepseek_v4_ids(&tok, &msgs, thinking).unwrap();
+        let text = chat::deepseek_v4(&msgs, thinking).unwrap();
+        let open = if thinking {
+            chat::THINK_OPEN
+        } else {
+            chat::THINK_CLOSE
+        };
+        assert_eq!(ids[0], id(chat::DSV4_BOS));
+        assert_eq!(ids[ids.len() - 2..], [id(chat::DSV4_ASSISTANT), id(open)]);
+        assert_eq!(ids.iter().filter(|&&t| t == id(chat::DSV4_USER)).count(), 1);
+        assert_eq!(tok.decode(&ids, false).unwrap(), text);
+    }
+}
