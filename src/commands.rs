@@ -111,8 +111,27 @@ fn banner(m: &ModelDir, k: &Kernels, reason: &str, ctx: usize) {
     eprintln!("kernels: {} — {reason}; {note}", k.isa());
 }
 
-fn engine<'m>(m: &'m ModelDir, k: Kernels) -> Result<AnyModel<'m>, String> {
-    AnyModel::load(m, k).map_err(|e| e.to_string())
+/// `--numerics`: see [`crate::engine::dsv4::Numerics`].
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NumericsArg {
+    Transformers,
+    Deepseek,
+}
+
+fn engine<'m>(m: &'m ModelDir, k: Kernels, numerics: NumericsArg) -> Result<AnyModel<'m>, String> {
+    let mut eng = AnyModel::load(m, k).map_err(|e| e.to_string())?;
+    if numerics == NumericsArg::Deepseek {
+        match &mut eng {
+            AnyModel::Dsv4(d) => d.numerics = crate::engine::dsv4::Numerics::DeepSeek,
+            _ => {
+                return Err(format!(
+                    "--numerics deepseek applies to DeepSeek V4 models; this one is {:?}",
+                    m.config.model_type
+                ))
+            }
+        }
+    }
+    Ok(eng)
 }
 
 #[derive(clap::Args, Debug)]
@@ -171,6 +190,13 @@ pub struct RunArgs {
     /// Prompt tokens per prefill step (small-batch matmul width).
     #[arg(long, value_name = "N", default_value_t = 64)]
     pub chunk: usize,
+    /// DeepSeek V4 only: whose numerics to follow where they differ.
+    /// `transformers` (default, the oracle): f32 activations, the shared
+    /// expert clamped at swiglu_limit. `deepseek` (DeepSeek's inference
+    /// code): activations quantized to FP8 before every FP8/FP4 product,
+    /// the shared expert unclamped.
+    #[arg(long, value_name = "WHOSE", value_enum, default_value_t = NumericsArg::Transformers)]
+    pub numerics: NumericsArg,
     /// Print one JSON object on stdout: prompt_ids, new_ids, text, stop_reason, kernels, timings.
     #[arg(long)]
     pub json: bool,
@@ -260,7 +286,7 @@ pub fn run(a: RunArgs) -> Result<(), String> {
         sampling.seed = s;
     }
     sampling.validate()?;
-    let eng = engine(&m, k)?;
+    let eng = engine(&m, k, a.numerics)?;
     banner(&m, &k, &reason, prompt_ids.len() + max_new);
     let opts = GenOptions {
         max_new_tokens: max_new,
@@ -339,6 +365,13 @@ pub struct ScoreArgs {
     /// Prompt tokens per prefill step.
     #[arg(long, value_name = "N", default_value_t = 64)]
     pub chunk: usize,
+    /// DeepSeek V4 only: whose numerics to follow where they differ.
+    /// `transformers` (default, the oracle): f32 activations, the shared
+    /// expert clamped at swiglu_limit. `deepseek` (DeepSeek's inference
+    /// code): activations quantized to FP8 before every FP8/FP4 product,
+    /// the shared expert unclamped.
+    #[arg(long, value_name = "WHOSE", value_enum, default_value_t = NumericsArg::Transformers)]
+    pub numerics: NumericsArg,
     /// Print {"ids", "argmax", "last_logits"?} as JSON.
     #[arg(long)]
     pub json: bool,
@@ -362,7 +395,7 @@ pub fn score(a: ScoreArgs) -> Result<(), String> {
     if ids.is_empty() {
         return Err("nothing to score: the sequence is empty".into());
     }
-    let eng = engine(&m, k)?;
+    let eng = engine(&m, k, a.numerics)?;
     if !a.json {
         banner(&m, &k, &reason, ids.len());
     }

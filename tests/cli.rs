@@ -500,3 +500,48 @@ fn deepseek_v4_chat_needs_its_special_tokens() {
     let (ok, _, err) = run(&["run", "--think", "--prompt", "hi"]);
     assert!(!ok && err.contains("--chat"), "{err}");
 }
+
+/// `--numerics deepseek` follows DeepSeek's inference code on DeepSeek V4
+/// (FP8 activations into FP8/FP4 products): it runs, changes the logits, and
+/// is refused for other families.
+#[test]
+fn deepseek_numerics_flag() {
+    let args = |n: &str| {
+        vec![
+            "score",
+            "--model",
+            "fixtures/tiny-dsv4",
+            "--ids",
+            "1,17,42,99,5",
+            "--json",
+            "--logits",
+            "last",
+            "--numerics",
+            n,
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect::<Vec<_>>()
+    };
+    let get = |n: &str| {
+        let a = args(n);
+        let (ok, out, err) = run(&a.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v["last_logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect::<Vec<f64>>()
+    };
+    let (t, d) = (get("transformers"), get("deepseek"));
+    assert_eq!(t.len(), d.len());
+    assert!(d.iter().all(|x| x.is_finite()));
+    assert!(
+        t.iter().zip(&d).any(|(a, b)| a != b),
+        "FP8 activations changed nothing"
+    );
+    let (ok, _, err) = run(&["score", "--ids", "1,2", "--numerics", "deepseek"]);
+    assert!(!ok && err.contains("applies to DeepSeek V4"), "{err}");
+}

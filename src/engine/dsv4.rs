@@ -337,6 +337,24 @@ pub struct Dsv4Model<'m> {
     top_k: usize,
     routed_scale: f32,
     swiglu_limit: f32,
+    /// Whose numerics to follow where transformers and DeepSeek's own
+    /// inference code differ (default: transformers, the oracle).
+    pub numerics: Numerics,
+}
+
+/// Where transformers' `DeepseekV4ForCausalLM` and DeepSeek's reference
+/// inference code (`inference/model.py` in the release) compute differently.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Numerics {
+    /// transformers: f32 activations into every product; the shared expert's
+    /// SwiGLU clamped at swiglu_limit like the routed experts'.
+    #[default]
+    Transformers,
+    /// DeepSeek's code: activations quantized to FP8 (E4M3, power-of-two
+    /// scale per 128 columns) before every FP8 / FP4 product
+    /// ([`super::fp8_act_quant`]); the shared expert unclamped. (Its BF16
+    /// activations, FP8 KV cache and FP4 indexer are not simulated.)
+    DeepSeek,
 }
 
 fn bad(msg: String) -> EngineError {
@@ -609,6 +627,7 @@ impl<'m> Dsv4Model<'m> {
             top_k,
             routed_scale: v.routed_scaling_factor as f32,
             swiglu_limit: v.swiglu_limit as f32,
+            numerics: Numerics::Transformers,
         })
     }
 
@@ -732,7 +751,8 @@ impl<'m> Dsv4Model<'m> {
             rms_unweighted(row, self.eps);
         }
         let mut mixes = vec![0.0f32; n * mix];
-        hc.fn_.apply(&self.kernels, &normed, n, &mut mixes)?;
+        hc.fn_
+            .apply_q(&self.kernels, &normed, n, &mut mixes, self.aq())?;
         let (b, sc, eps) = (&hc.base, &hc.scale, self.hc_eps);
         let mut pre = vec![0.0f32; n * s];
         let mut post = vec![0.0f32; n * s];
@@ -875,7 +895,7 @@ impl<'m> Dsv4Model<'m> {
         let mut mixes = vec![0.0f32; m * s];
         self.hc_head
             .fn_
-            .apply(&self.kernels, &normed, m, &mut mixes)?;
+            .apply_q(&self.kernels, &normed, m, &mut mixes, self.aq())?;
         let pre: Vec<f32> = mixes
             .chunks_exact(s)
             .flat_map(|r| {
@@ -887,7 +907,8 @@ impl<'m> Dsv4Model<'m> {
         let mut y = self.collapse(&pre, xs, m);
         rms_norm(&mut y, &self.norm, self.eps);
         let mut logits = vec![0.0f32; m * self.vocab];
-        self.head.apply(&self.kernels, &y, m, &mut logits)?;
+        self.head
+            .apply_q(&self.kernels, &y, m, &mut logits, self.aq())?;
         Ok(logits)
     }
 
@@ -925,12 +946,12 @@ impl<'m> Dsv4Model<'m> {
         let qr = l.wq_a.rows;
         // q_residual = q_norm(wq_a a), shared with the indexer.
         let mut q_res = vec![0.0f32; n * qr];
-        l.wq_a.apply(k, a, n, &mut q_res)?;
+        l.wq_a.apply_q(k, a, n, &mut q_res, self.aq())?;
         rms_norm(&mut q_res, &l.q_norm, self.eps);
         let mut q = vec![0.0f32; n * h * hd];
-        l.wq_b.apply(k, &q_res, n, &mut q)?;
+        l.wq_b.apply_q(k, &q_res, n, &mut q, self.aq())?;
         let mut kv = vec![0.0f32; n * hd];
-        l.wkv.apply(k, a, n, &mut kv)?;
+        l.wkv.apply_q(k, a, n, &mut kv, self.aq())?;
         rms_norm(&mut kv, &l.kv_norm, self.eps);
         let mut tbl = Vec::new();
         for t in 0..n {
@@ -945,8 +966,8 @@ impl<'m> Dsv4Model<'m> {
         let proj = |c: &Compressor| -> Result<(Vec<f32>, Vec<f32>), EngineError> {
             let mut kvp = vec![0.0f32; n * c.width()];
             let mut gp = vec![0.0f32; n * c.width()];
-            c.wkv.apply(k, a, n, &mut kvp)?;
-            c.wgate.apply(k, a, n, &mut gp)?;
+            c.wkv.apply_q(k, a, n, &mut kvp, self.aq())?;
+            c.wgate.apply_q(k, a, n, &mut gp, self.aq())?;
             Ok((kvp, gp))
         };
         let comp_proj = l.comp.as_ref().map(proj).transpose()?;
@@ -955,7 +976,7 @@ impl<'m> Dsv4Model<'m> {
             Some(ix) => {
                 let (ikv, ig) = proj(&ix.comp)?;
                 let mut iq = vec![0.0f32; n * ih * id];
-                ix.wq_b.apply(k, &q_res, n, &mut iq)?;
+                ix.wq_b.apply_q(k, &q_res, n, &mut iq, self.aq())?;
                 for t in 0..n {
                     self.rope_comp.table(pos0 + t, &mut tbl);
                     for head in iq[t * ih * id..(t + 1) * ih * id].chunks_exact_mut(id) {
@@ -963,7 +984,7 @@ impl<'m> Dsv4Model<'m> {
                     }
                 }
                 let mut iw = vec![0.0f32; n * ih];
-                ix.weights_proj.apply(k, a, n, &mut iw)?;
+                ix.weights_proj.apply_q(k, a, n, &mut iw, self.aq())?;
                 let wscale = (ih as f64).powf(-0.5) as f32;
                 iw.iter_mut().for_each(|v| *v *= wscale);
                 Some((ikv, ig, iq, iw))
@@ -1072,7 +1093,7 @@ impl<'m> Dsv4Model<'m> {
             match &l.wo_a {
                 WoA::Groups(ms) => {
                     let mut yg = vec![0.0f32; n * r];
-                    ms[g].apply(k, &xg, n, &mut yg)?;
+                    ms[g].apply_q(k, &xg, n, &mut yg, self.aq())?;
                     for t in 0..n {
                         z[(t * g_n + g) * r..(t * g_n + g + 1) * r]
                             .copy_from_slice(&yg[t * r..(t + 1) * r]);
@@ -1080,7 +1101,7 @@ impl<'m> Dsv4Model<'m> {
                 }
                 WoA::Whole(m) => {
                     let mut yg = vec![0.0f32; n * g_n * r];
-                    m.apply(k, &xg, n, &mut yg)?;
+                    m.apply_q(k, &xg, n, &mut yg, self.aq())?;
                     for t in 0..n {
                         z[(t * g_n + g) * r..(t * g_n + g + 1) * r]
                             .copy_from_slice(&yg[(t * g_n + g) * r..(t * g_n + g + 1) * r]);
@@ -1089,7 +1110,7 @@ impl<'m> Dsv4Model<'m> {
             }
         }
         let mut o = vec![0.0f32; n * d];
-        l.wo_b.apply(k, &z, n, &mut o)?;
+        l.wo_b.apply_q(k, &z, n, &mut o, self.aq())?;
         Ok(o)
     }
 
@@ -1100,7 +1121,7 @@ impl<'m> Dsv4Model<'m> {
         let (d, n) = (self.d, tokens.len());
         let e_n = m.experts.len();
         let mut logits = vec![0.0f32; n * e_n];
-        m.gate.apply(k, x, n, &mut logits)?;
+        m.gate.apply_q(k, x, n, &mut logits, self.aq())?;
         let mut chosen: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e_n];
         let mut biased = vec![0.0f32; e_n];
         for t in 0..n {
@@ -1142,7 +1163,7 @@ impl<'m> Dsv4Model<'m> {
                 xe.extend_from_slice(&x[t * d..(t + 1) * d]);
             }
             ye.resize(g * d, 0.0);
-            self.swiglu(&m.experts[e], &xe, g, &mut ye)?;
+            self.swiglu(&m.experts[e], &xe, g, Some(self.swiglu_limit), &mut ye)?;
             for (j, &(t, w)) in group.iter().enumerate() {
                 for (o, y) in out[t * d..(t + 1) * d]
                     .iter_mut()
@@ -1154,28 +1175,31 @@ impl<'m> Dsv4Model<'m> {
         }
         if let Some(sh) = &m.shared {
             let mut y = vec![0.0f32; n * d];
-            self.swiglu(sh, x, n, &mut y)?;
+            let limit = match self.numerics {
+                Numerics::Transformers => Some(self.swiglu_limit),
+                Numerics::DeepSeek => None,
+            };
+            self.swiglu(sh, x, n, limit, &mut y)?;
             out.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
         }
         Ok(out)
     }
 
-    /// The clamped SwiGLU of routed and shared experts.
+    /// The SwiGLU of routed and shared experts, clamped at `limit`.
     fn swiglu(
         &self,
         [gate, up, down]: &[Mat; 3],
         x: &[f32],
         n: usize,
+        limit: Option<f32>,
         out: &mut [f32],
     ) -> Result<(), EngineError> {
-        super::swiglu(
-            &self.kernels,
-            [gate, up, down],
-            x,
-            n,
-            Some(self.swiglu_limit),
-            out,
-        )
+        super::swiglu(&self.kernels, [gate, up, down], x, n, limit, self.aq(), out)
+    }
+
+    /// Whether activations are FP8-quantized before FP8 / FP4 products.
+    fn aq(&self) -> bool {
+        self.numerics == Numerics::DeepSeek
     }
 }
 

@@ -372,7 +372,7 @@ impl<'m> LlamaModel<'m> {
         let k = &self.kernels;
         let d = self.d;
         match mlp {
-            Mlp::Dense { gate, up, down } => swiglu(k, [gate, up, down], x, n, None, out),
+            Mlp::Dense { gate, up, down } => swiglu(k, [gate, up, down], x, n, None, false, out),
             Mlp::Moe {
                 router,
                 experts,
@@ -419,7 +419,7 @@ impl<'m> LlamaModel<'m> {
                     }
                     ye.resize(m * d, 0.0);
                     let [g, u, dn] = &experts[ei];
-                    swiglu(k, [g, u, dn], &xe, m, None, &mut ye)?;
+                    swiglu(k, [g, u, dn], &xe, m, None, false, &mut ye)?;
                     for (j, &(t, w)) in group.iter().enumerate() {
                         for (o, y) in out[t * d..(t + 1) * d]
                             .iter_mut()

@@ -251,6 +251,35 @@ impl<'m> Mat<'m> {
         Matrix::new(self.rows, self.cols, w)
     }
 
+    /// FP8 or FP4 weights (what DeepSeek's reference code multiplies after
+    /// quantizing the activations to FP8).
+    pub fn quantized(&self) -> bool {
+        matches!(self.data, MatData::Fp8 { .. } | MatData::Fp4 { .. })
+    }
+
+    /// [`Mat::apply`], with the activations first put through
+    /// [`fp8_act_quant`] when `act_quant` is set and the weights are FP8 or
+    /// FP4 (DeepSeek's reference behaviour).
+    pub fn apply_q(
+        &self,
+        k: &Kernels,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+        act_quant: bool,
+    ) -> Result<(), KernelError> {
+        if act_quant && self.quantized() {
+            self.apply(
+                k,
+                &fp8_act_quant(&x[..(n * self.cols).min(x.len())], self.cols),
+                n,
+                y,
+            )
+        } else {
+            self.apply(k, x, n, y)
+        }
+    }
+
     /// Bytes of weights and scales one pass over the matrix reads.
     pub fn bytes(&self) -> u64 {
         self.matrix().map_or(0, |m| m.bytes() as u64)
@@ -340,13 +369,14 @@ pub fn swiglu(
     x: &[f32],
     n: usize,
     limit: Option<f32>,
+    act_quant: bool,
     out: &mut [f32],
 ) -> Result<(), EngineError> {
     let i = gate.rows;
     let mut g = vec![0.0f32; n * i];
     let mut u = vec![0.0f32; n * i];
-    gate.apply(k, x, n, &mut g)?;
-    up.apply(k, x, n, &mut u)?;
+    gate.apply_q(k, x, n, &mut g, act_quant)?;
+    up.apply_q(k, x, n, &mut u, act_quant)?;
     match limit {
         None => g.iter_mut().zip(&u).for_each(|(a, b)| *a = silu(*a) * b),
         Some(lim) => {
@@ -363,8 +393,41 @@ pub fn swiglu(
             }
         }
     }
-    down.apply(k, &g, n, &mut out[..n * down.rows])?;
+    down.apply_q(k, &g, n, &mut out[..n * down.rows], act_quant)?;
     Ok(())
+}
+
+/// FP8 activation quantization as DeepSeek's inference code simulates it
+/// before every FP8 / FP4 matrix product: each row of `x` ([n, cols]) in
+/// blocks of 128 columns (the last block may be shorter), scale = the
+/// block's largest magnitude (at least 1e-4) / 448 rounded up to a power of
+/// two (UE8M0), each value divided by it, clamped to ±448, rounded to the
+/// nearest E4M3 value and multiplied back. NaN stays NaN.
+pub fn fp8_act_quant(x: &[f32], cols: usize) -> Vec<f32> {
+    use crate::formats::{e4m3_to_f32, f32_to_e4m3};
+    let mut out = x.to_vec();
+    if cols == 0 {
+        return out;
+    }
+    for row in out.chunks_mut(cols) {
+        for block in row.chunks_mut(128) {
+            let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-4);
+            // 2^ceil(log2(amax / 448)), exactly: amax / 448 is a positive
+            // normal float, its power of two rounded up when it has a mantissa.
+            let s = amax / 448.0;
+            let bits = s.to_bits();
+            let pow = if bits & 0x007F_FFFF == 0 {
+                s
+            } else {
+                f32::from_bits((bits & 0x7F80_0000) + 0x0080_0000)
+            };
+            for v in block.iter_mut() {
+                let q = (*v / pow).clamp(-448.0, 448.0);
+                *v = e4m3_to_f32(f32_to_e4m3(q)) * pow;
+            }
+        }
+    }
+    out
 }
 
 /// Rotary position embedding tables for half-split ("rotate_half") RoPE.
@@ -475,5 +538,60 @@ impl Rope {
             x[i] = a * c - b * s;
             x[i + half] = b * c + a * s;
         }
+    }
+}
+
+#[cfg(test)]
+mod act_quant_tests {
+    use super::fp8_act_quant;
+
+    #[test]
+    fn values_land_on_the_scaled_e4m3_grid() {
+        // amax 448 -> scale 1: E4M3 values stay, others round to the grid.
+        let mut x = vec![0.0f32; 128];
+        x[0] = 448.0;
+        x[1] = -3.0;
+        x[2] = 3.1; // between 3.0 and 3.25: rounds to 3.0
+        x[3] = 5e-4; // below half of E4M3's smallest subnormal 2^-9: rounds to 0
+        let q = fp8_act_quant(&x, 128);
+        assert_eq!(&q[..4], &[448.0, -3.0, 3.0, 0.0]);
+        // amax 1.0 -> scale 2^ceil(log2(1/448)) = 2^-8: 1.0 = 256 * 2^-8 exact,
+        // 0.3 -> 76.8 -> 80 (E4M3 step 8 at 64..128) -> 0.3125.
+        let q = fp8_act_quant(&[1.0, 0.3, -0.3], 3);
+        assert_eq!(q, vec![1.0, 0.3125, -0.3125]);
+        // Each 128-column block has its own scale; each row too.
+        let mut x = vec![1.0f32; 256];
+        x[200] = 1000.0;
+        let q = fp8_act_quant(&x, 256);
+        assert_eq!(q[0], 1.0);
+        assert_eq!(q[200], 1024.0); // 1000 / 4 = 250 -> 256 (step 16) -> 1024
+        assert_eq!(q[201], 1.0);
+        // Zeros stay zero, NaN stays NaN.
+        let q = fp8_act_quant(&[0.0, f32::NAN], 2);
+        assert_eq!(q[0], 0.0);
+        assert!(q[1].is_nan());
+    }
+
+    #[test]
+    fn relative_error_is_e4m3s() {
+        let mut s = 12345u64;
+        let x: Vec<f32> = (0..4096)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s % 20001) as f32 / 10000.0 - 1.0
+            })
+            .collect();
+        let q = fp8_act_quant(&x, 4096);
+        let err: f32 = x
+            .iter()
+            .zip(&q)
+            .map(|(a, b)| (a - b) * (a - b))
+            .sum::<f32>()
+            .sqrt();
+        let norm: f32 = x.iter().map(|a| a * a).sum::<f32>().sqrt();
+        let rel = err / norm;
+        assert!(rel > 0.005 && rel < 0.04, "relative error {rel}");
     }
 }
