@@ -170,6 +170,30 @@ pub fn build() -> BuildResult<()> {
     let isas = isas_for_target(&arch);
     let mut the_plan: Plan =
         plan::plan(&models, isas.clone(), &target).map_err(|e| e.to_string())?;
+    let host_arch = env::var("HOST")
+        .unwrap_or_default()
+        .split('-')
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    let cpuinfo = fs::read_to_string("/proc/cpuinfo").ok();
+    let features_line = cpuinfo
+        .as_deref()
+        .and_then(|c| c.lines().find(|l| l.starts_with("Features")));
+    the_plan.cpu = plan::cpu_preset(
+        env_opt("BESPOKE_CPU").as_deref(),
+        &arch,
+        &host_arch,
+        features_line,
+    )?;
+    if let Some(c) = &the_plan.cpu {
+        if let Some(sm) = &c.cuda_arch {
+            the_plan.notes.push(format!(
+                "BESPOKE_CPU={}: its GPU is {sm} (for the CUDA backend, not in this version yet)",
+                c.name
+            ));
+        }
+    }
     if env::var_os("CARGO_FEATURE_CUDA").is_some() {
         let note = "feature `cuda` is on, but the CUDA backend is not in this version yet: \
                     the binary runs on the CPU and says so";
@@ -331,7 +355,12 @@ pub fn build() -> BuildResult<()> {
     let header = gen.join("bespoke_kernels.h");
     write_if_changed(&header, &render("header.h.tera", &hctx)?)?;
 
-    compile(&root, &gen, &sources)?;
+    let cpu_flags = the_plan
+        .cpu
+        .as_ref()
+        .map(|c| c.cflags.clone())
+        .unwrap_or_default();
+    compile(&root, &gen, &sources, &cpu_flags)?;
     bind(&header, &out)?;
     write_if_changed(&out.join("dispatch_table.rs"), &table)?;
     let plan_json = serde_json::to_string_pretty(&the_plan).map_err(|e| e.to_string())?;
@@ -362,7 +391,13 @@ fn write_if_changed(path: &Path, text: &str) -> BuildResult<()> {
 
 /// Compile each ISA's sources with its own flags, then archive all objects
 /// into the one static library `bespoke_kernels`.
-fn compile(root: &Path, gen: &Path, sources: &[(Isa, PathBuf)]) -> BuildResult<()> {
+/// `the_cpu_flags`: the BESPOKE_CPU preset's flags, for the NEON variant.
+fn compile(
+    root: &Path,
+    gen: &Path,
+    sources: &[(Isa, PathBuf)],
+    the_cpu_flags: &[String],
+) -> BuildResult<()> {
     let sanitize = env_opt("BESPOKE_SANITIZE");
     let werror = env_opt("BESPOKE_WERROR").is_some();
     let mut objects = Vec::new();
@@ -387,6 +422,11 @@ fn compile(root: &Path, gen: &Path, sources: &[(Isa, PathBuf)]) -> BuildResult<(
             .flag("-fno-fast-math");
         for f in isa.desc().cflags {
             b.flag(f);
+        }
+        if isa == Isa::Neon {
+            for f in the_cpu_flags {
+                b.flag(f);
+            }
         }
         if let Some(s) = &sanitize {
             b.flag(format!("-fsanitize={s}"))

@@ -24,6 +24,9 @@ pub fn has_feature(name: &str) -> bool {
             "dotprod" => std::arch::is_aarch64_feature_detected!("dotprod"),
             "i8mm" => std::arch::is_aarch64_feature_detected!("i8mm"),
             "fp16" => std::arch::is_aarch64_feature_detected!("fp16"),
+            "bf16" => std::arch::is_aarch64_feature_detected!("bf16"),
+            "sve" => std::arch::is_aarch64_feature_detected!("sve"),
+            "sve2" => std::arch::is_aarch64_feature_detected!("sve2"),
             _ => false,
         }
     }
@@ -34,17 +37,22 @@ pub fn has_feature(name: &str) -> bool {
     }
 }
 
-/// Features `isa` needs that this CPU lacks (empty: it can run).
-pub fn missing_features(isa: Isa) -> Vec<&'static str> {
+/// Features `isa` needs that this CPU lacks (empty: it can run). The NEON
+/// variant also needs what its BESPOKE_CPU preset let the compiler use
+/// (dotprod, fp16, …), so a Jetson build on a plain Armv8.0 core falls back
+/// to the scalar variant instead of stopping on an illegal instruction.
+pub fn missing_features(isa: Isa) -> Vec<String> {
     let desc = isa.desc();
     if desc.arch != "any" && desc.arch != std::env::consts::ARCH {
-        return vec![desc.arch];
+        return vec![desc.arch.to_string()];
     }
-    desc.cpu_features
-        .iter()
-        .copied()
-        .filter(|f| !has_feature(f))
-        .collect()
+    let mut need: Vec<String> = desc.cpu_features.iter().map(|f| f.to_string()).collect();
+    if isa == Isa::Neon {
+        if let Some(p) = crate::report::build_plan().cpu {
+            need.extend(p.features);
+        }
+    }
+    need.into_iter().filter(|f| !has_feature(f)).collect()
 }
 
 /// Physical cores (the default thread count).

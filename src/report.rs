@@ -129,6 +129,20 @@ pub fn build_report(p: &Plan) -> String {
             .join(", ")
     )
     .unwrap();
+    if let Some(c) = &p.cpu {
+        let extra = if c.features.is_empty() {
+            "baseline NEON".to_string()
+        } else {
+            format!("NEON + {}", c.features.join(", "))
+        };
+        writeln!(
+            out,
+            "CPU preset (BESPOKE_CPU): {} — the neon variant is built with {} and needs {extra}",
+            c.name,
+            c.cflags.join(" ")
+        )
+        .unwrap();
+    }
     for n in &p.notes {
         writeln!(out, "note: {n}").unwrap();
     }

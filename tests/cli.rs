@@ -1,9 +1,10 @@
 //! The `bespoke` binary: plan tables, --model checks, JSON, errors, bench.
 
-use std::process::Command;
+mod common;
+use common::bespoke_command;
 
 fn run(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_bespoke"))
+    let out = bespoke_command()
         .args(args)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .env_remove("BESPOKE_KERNELS")

@@ -4,10 +4,11 @@
 
 use bespoke::kernels::{KernelError, Kernels, COMPILED_ISAS};
 use bespoke::plan::{Isa, ISAS};
-use std::process::Command;
+mod common;
+use common::bespoke_command;
 
 fn bespoke(args: &[&str], kernels: Option<&str>) -> (bool, String, String) {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_bespoke"));
+    let mut c = bespoke_command();
     c.args(args);
     match kernels {
         Some(k) => c.env("BESPOKE_KERNELS", k),

@@ -338,3 +338,51 @@ fn rope_scaling_and_token_ids() {
         }
     }
 }
+
+/// BESPOKE_CPU presets: flags and required features per preset, the default
+/// on aarch64, and clear errors for a wrong name, an x86 target and `native`
+/// when cross-compiling.
+#[test]
+fn cpu_presets() {
+    use bespoke::plan::cpu_preset;
+    let p = cpu_preset(Some("jetson-orin"), "aarch64", "x86_64", None)
+        .unwrap()
+        .unwrap();
+    assert_eq!(p.features, ["dotprod", "fp16"]);
+    assert!(
+        p.cflags.iter().any(|f| f.contains("armv8.2-a+dotprod")),
+        "{:?}",
+        p.cflags
+    );
+    assert_eq!(p.cuda_arch.as_deref(), Some("sm_87"));
+    let p = cpu_preset(Some("dgx-spark"), "aarch64", "x86_64", None)
+        .unwrap()
+        .unwrap();
+    assert!(p.features.contains(&"i8mm".to_string()));
+    assert_eq!(p.cuda_arch.as_deref(), Some("sm_121"));
+    let p = cpu_preset(None, "aarch64", "x86_64", None)
+        .unwrap()
+        .unwrap();
+    assert_eq!((p.name.as_str(), p.features.len()), ("armv8-a", 0));
+    assert_eq!(cpu_preset(None, "x86_64", "x86_64", None).unwrap(), None);
+    let e = cpu_preset(Some("jetson-orin"), "x86_64", "x86_64", None).unwrap_err();
+    assert!(e.contains("aarch64 targets"), "{e}");
+    let e = cpu_preset(Some("pentium"), "aarch64", "aarch64", None).unwrap_err();
+    assert!(
+        e.contains("unknown preset") && e.contains("dgx-spark"),
+        "{e}"
+    );
+    let e = cpu_preset(Some("native"), "aarch64", "x86_64", None).unwrap_err();
+    assert!(e.contains("not the aarch64 target"), "{e}");
+    let line = "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp";
+    let p = cpu_preset(Some("native"), "aarch64", "aarch64", Some(line))
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (p.cflags[0].as_str(), p.features.clone()),
+        (
+            "-mcpu=native",
+            vec!["dotprod".to_string(), "fp16".to_string()]
+        )
+    );
+}

@@ -569,6 +569,120 @@ pub struct Plan {
     pub target: String,
     /// Notes from the build (e.g. why CUDA is not in it).
     pub notes: Vec<String>,
+    /// The CPU preset the NEON variant was compiled for (aarch64 targets).
+    #[serde(default)]
+    pub cpu: Option<CpuPreset>,
+}
+
+/// A `BESPOKE_CPU` preset: the flags the NEON variant is compiled with, and
+/// the CPU features (std::arch names) those flags let the compiler use, which
+/// dispatch then requires of the running CPU along with NEON itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CpuPreset {
+    pub name: String,
+    pub cflags: Vec<String>,
+    pub features: Vec<String>,
+    /// The GPU of the board, for the CUDA backend (sm_87 for Jetson Orin).
+    pub cuda_arch: Option<String>,
+}
+
+/// The named presets: (name, what it is, flags, features beyond NEON, CUDA arch).
+pub const CPU_PRESETS: &[(&str, &str, &[&str], &[&str], Option<&str>)] = &[
+    (
+        "armv8-a",
+        "any 64-bit Arm core (baseline NEON)",
+        &["-march=armv8-a"],
+        &[],
+        None,
+    ),
+    (
+        "jetson-orin",
+        "NVIDIA Jetson AGX Orin: Cortex-A78AE, Armv8.2-A",
+        &["-march=armv8.2-a+dotprod+fp16", "-mtune=cortex-a78ae"],
+        &["dotprod", "fp16"],
+        Some("sm_87"),
+    ),
+    (
+        "dgx-spark",
+        "NVIDIA DGX Spark (GB10): Cortex-X925 + A725, Armv9.2-A",
+        &["-march=armv9-a+i8mm+bf16"],
+        &["dotprod", "fp16", "i8mm", "bf16", "sve2"],
+        Some("sm_121"),
+    ),
+    (
+        "graviton3",
+        "AWS Graviton3 and other Neoverse V1 servers, Armv8.4-A",
+        &["-march=armv8.4-a+sve+i8mm+bf16", "-mtune=neoverse-v1"],
+        &["dotprod", "fp16", "i8mm", "bf16", "sve"],
+        None,
+    ),
+];
+
+/// Resolve `BESPOKE_CPU` for a target arch. `None` (unset) is `armv8-a` on
+/// aarch64 and nothing elsewhere; `native` is the build machine's own core
+/// (`cpu_features`: its /proc/cpuinfo Features line), for native aarch64
+/// builds only.
+pub fn cpu_preset(
+    name: Option<&str>,
+    target_arch: &str,
+    host_arch: &str,
+    cpu_features: Option<&str>,
+) -> Result<Option<CpuPreset>, String> {
+    let names = || {
+        let mut v: Vec<&str> = CPU_PRESETS.iter().map(|p| p.0).collect();
+        v.push("native");
+        v.join(", ")
+    };
+    if target_arch != "aarch64" {
+        return match name {
+            None => Ok(None),
+            Some(n) => Err(format!(
+                "BESPOKE_CPU={n}: the presets are for aarch64 targets ({}); this build targets {target_arch}, whose variants are chosen at run time",
+                names()
+            )),
+        };
+    }
+    let name = name.unwrap_or("armv8-a");
+    if name == "native" {
+        if host_arch != "aarch64" {
+            return Err(format!(
+                "BESPOKE_CPU=native: the build machine is {host_arch}, not the aarch64 target; name a preset instead ({})",
+                names()
+            ));
+        }
+        let line = cpu_features.unwrap_or("");
+        let mut features = Vec::new();
+        for (cpuinfo, std_name) in [
+            ("asimddp", "dotprod"),
+            ("asimdhp", "fp16"),
+            ("i8mm", "i8mm"),
+            ("bf16", "bf16"),
+            ("sve", "sve"),
+            ("sve2", "sve2"),
+        ] {
+            if line.split_whitespace().any(|f| f == cpuinfo) {
+                features.push(std_name.to_string());
+            }
+        }
+        return Ok(Some(CpuPreset {
+            name: "native".into(),
+            cflags: vec!["-mcpu=native".into()],
+            features,
+            cuda_arch: None,
+        }));
+    }
+    let p = CPU_PRESETS.iter().find(|p| p.0 == name).ok_or_else(|| {
+        format!(
+            "BESPOKE_CPU={name}: unknown preset; expected one of {}",
+            names()
+        )
+    })?;
+    Ok(Some(CpuPreset {
+        name: p.0.into(),
+        cflags: p.2.iter().map(|s| s.to_string()).collect(),
+        features: p.3.iter().map(|s| s.to_string()).collect(),
+        cuda_arch: p.4.map(str::to_string),
+    }))
 }
 
 /// Resolve a model entry (a directory, or a `.json` config file) to the config file.
@@ -638,6 +752,7 @@ pub fn plan(models: &[ModelConfig], isas: Vec<Isa>, target: &str) -> Result<Plan
         isas,
         target: target.to_string(),
         notes: Vec::new(),
+        cpu: None,
     })
 }
 

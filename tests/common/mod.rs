@@ -177,3 +177,20 @@ pub fn check_model(name: &str) {
         }
     }
 }
+
+/// The `bespoke` binary as a command. Under emulation (a cross build's tests
+/// run by qemu-user) the binary is started through BESPOKE_TEST_RUNNER, e.g.
+/// `qemu-aarch64 -L /usr/aarch64-linux-gnu`: the emulator does not follow
+/// exec into a foreign binary by itself.
+pub fn bespoke_command() -> std::process::Command {
+    let bin = env!("CARGO_BIN_EXE_bespoke");
+    match std::env::var("BESPOKE_TEST_RUNNER") {
+        Ok(r) if !r.trim().is_empty() => {
+            let mut parts = r.split_whitespace();
+            let mut c = std::process::Command::new(parts.next().unwrap());
+            c.args(parts).arg(bin);
+            c
+        }
+        _ => std::process::Command::new(bin),
+    }
+}
