@@ -3,7 +3,7 @@
 //! the API and through the binary's BESPOKE_KERNELS.
 
 use bespoke::kernels::{KernelError, Kernels, COMPILED_ISAS};
-use bespoke::plan::{Isa, ISAS};
+use bespoke::plan::ISAS;
 mod common;
 use common::bespoke_command;
 
@@ -93,8 +93,8 @@ fn auto_picks_the_highest_scoring_runnable_variant() {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2")
         && std::arch::is_x86_feature_detected!("fma")
-        && COMPILED_ISAS.contains(&Isa::Avx2)
+        && COMPILED_ISAS.contains(&bespoke::plan::Isa::Avx2)
     {
-        assert_ne!(best, Isa::Scalar);
+        assert_ne!(best, bespoke::plan::Isa::Scalar);
     }
 }
