@@ -91,15 +91,23 @@ static inline void bs_dec32_e2m1(const void *p, bs_vf o[2][BS_G]) {
  * and un-permute each accumulator before the reduction tree, so the sums are
  * the same operations in the same order as the logical layout. */
 
+/* Two vectors of 16-bit f32 tops (the high halves, low halves zero) into
+ * two lane groups: the even 16-bit slots of each 32-bit pair, shifted up,
+ * and the odd ones, masked in place. */
+static inline void bs_tops_to_f32(__m256i u0, __m256i u1, bs_vf o[2][BS_G]) {
+    const __m256i top = _mm256_set1_epi32((int)0xFFFF0000);
+    o[0][0] = _mm256_castsi256_ps(_mm256_slli_epi32(u0, 16));
+    o[0][1] = _mm256_castsi256_ps(_mm256_and_si256(u0, top));
+    o[1][0] = _mm256_castsi256_ps(_mm256_slli_epi32(u1, 16));
+    o[1][1] = _mm256_castsi256_ps(_mm256_and_si256(u1, top));
+}
+
 /* FP4: one 16-byte block broadcast to both 128-bit halves, low nibbles (even
  * columns) in the low half, high nibbles (odd columns) in the high half; two
  * pshufb give each code's f32 bytes 3 and 2 (every E2M1 value is exact in
  * the top 16 bits of an f32), two unpacks pair them, and a shift / a mask
  * split each 32-bit pair into two f32 vectors. */
 static const float BS_LANES_FP4[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
-typedef __m256i bs_chk;
-static inline bs_chk bs_chk_init(void) { return _mm256_set1_epi8(-1); }
-static inline int bs_chk_ok(bs_chk c) { return _mm256_movemask_epi8(c) == -1; }
 
 static inline void bs_dec32p_e2m1(const void *p, bs_vf o[2][BS_G]) {
     const __m256i th = _mm256_setr_epi8(0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, (char)0x80, (char)0xBF,
@@ -115,11 +123,7 @@ static inline void bs_dec32p_e2m1(const void *p, bs_vf o[2][BS_G]) {
     __m256i hi = _mm256_shuffle_epi8(th, c), lo = _mm256_shuffle_epi8(tl, c);
     __m256i u0 = _mm256_unpacklo_epi8(lo, hi); /* columns 0,2,..,14 | 1,3,..,15 as 16-bit tops */
     __m256i u1 = _mm256_unpackhi_epi8(lo, hi); /* columns 16,18,..,30 | 17,19,..,31 */
-    const __m256i top = _mm256_set1_epi32((int)0xFFFF0000);
-    o[0][0] = _mm256_castsi256_ps(_mm256_slli_epi32(u0, 16));
-    o[0][1] = _mm256_castsi256_ps(_mm256_and_si256(u0, top));
-    o[1][0] = _mm256_castsi256_ps(_mm256_slli_epi32(u1, 16));
-    o[1][1] = _mm256_castsi256_ps(_mm256_and_si256(u1, top));
+    bs_tops_to_f32(u0, u1, o);
 }
 
 /* FP8: every normal E4M3 value is a BF16 value whose bits are the code's
@@ -128,6 +132,9 @@ static inline void bs_dec32p_e2m1(const void *p, bs_vf o[2][BS_G]) {
  * rule; *chk records whether all 32 codes are normal (magnitude 8..126), and
  * a block where one is not is redone with the exact bs_dec16p_e4m3. */
 static const float BS_LANES_FP8[16] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
+typedef __m256i bs_chk; /* and-accumulated "code is normal" byte masks */
+static inline bs_chk bs_chk_init(void) { return _mm256_set1_epi8(-1); }
+static inline int bs_chk_ok(bs_chk c) { return _mm256_movemask_epi8(c) == -1; }
 
 static inline void bs_dec32p_e4m3(const void *p, bs_vf o[2][BS_G], bs_chk *chk) {
     __m256i b = _mm256_loadu_si256((const __m256i *)p);
@@ -140,11 +147,7 @@ static inline void bs_dec32p_e4m3(const void *p, bs_vf o[2][BS_G], bs_chk *chk) 
     const __m256i keep = _mm256_set1_epi16((short)0x87F0), bias = _mm256_set1_epi16(0x3C00);
     u0 = _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(u0, 4), keep), bias);
     u1 = _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(u1, 4), keep), bias);
-    const __m256i top = _mm256_set1_epi32((int)0xFFFF0000);
-    o[0][0] = _mm256_castsi256_ps(_mm256_slli_epi32(u0, 16));
-    o[0][1] = _mm256_castsi256_ps(_mm256_and_si256(u0, top));
-    o[1][0] = _mm256_castsi256_ps(_mm256_slli_epi32(u1, 16));
-    o[1][1] = _mm256_castsi256_ps(_mm256_and_si256(u1, top));
+    bs_tops_to_f32(u0, u1, o);
 }
 
 /* 16 E4M3 columns, exact for every code, in the BS_LANES_FP8 order. */

@@ -48,11 +48,20 @@ pub fn missing_features(isa: Isa) -> Vec<String> {
     }
     let mut need: Vec<String> = desc.cpu_features.iter().map(|f| f.to_string()).collect();
     if isa == Isa::Neon {
-        if let Some(p) = crate::report::build_plan().cpu {
-            need.extend(p.features);
-        }
+        need.extend(preset_features().iter().cloned());
     }
     need.into_iter().filter(|f| !has_feature(f)).collect()
+}
+
+/// The BESPOKE_CPU preset's features, read from the build plan once.
+fn preset_features() -> &'static [String] {
+    static FEATURES: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    FEATURES.get_or_init(|| {
+        crate::report::build_plan()
+            .cpu
+            .map(|p| p.features)
+            .unwrap_or_default()
+    })
 }
 
 /// Physical cores (the default thread count).

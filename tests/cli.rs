@@ -117,14 +117,7 @@ fn help_explains_the_commands() {
 
 #[test]
 fn inspect_every_fixture() {
-    for name in [
-        "tiny-llama",
-        "tiny-qwen2",
-        "tiny-qwen3",
-        "tiny-qwen3-moe",
-        "tiny-dsv4",
-        "tiny-dsv4-hf",
-    ] {
+    for name in common::FIXTURES {
         let dir = format!("fixtures/{name}");
         let (ok, out, err) = run(&["inspect", "--model", &dir]);
         assert!(ok, "inspect {dir} failed: {err}");
@@ -198,30 +191,29 @@ fn run_with_no_arguments_uses_the_bundled_model() {
     }
 }
 
-/// `run --json` (a stable interface): greedy tokens equal the reference.
-#[test]
-fn run_json_matches_the_reference_greedy_tokens() {
-    let r: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/fixtures/tiny-qwen3/ref.json"
-        ))
-        .unwrap(),
-    )
-    .unwrap();
-    let p = &r["prompts"][1];
+/// Prompt `index` of a fixture's ref.json and its ids as `1,2,3`.
+fn ref_prompt(model: &str, index: usize) -> (serde_json::Value, String) {
+    let (_, r) = common::fixture(model);
+    let p = r["prompts"][index].clone();
     let ids: Vec<String> = p["ids"]
         .as_array()
         .unwrap()
         .iter()
         .map(|v| v.to_string())
         .collect();
+    (p, ids.join(","))
+}
+
+/// [`ref_prompt`], and the `run --json` object of 24 greedy tokens from it.
+fn greedy_run_json(model: &str, index: usize) -> (serde_json::Value, String, serde_json::Value) {
+    let (p, ids) = ref_prompt(model, index);
+    let dir = format!("fixtures/{model}");
     let (ok, out, err) = run(&[
         "run",
         "--model",
-        "fixtures/tiny-qwen3",
+        &dir,
         "--prompt-ids",
-        &ids.join(","),
+        &ids,
         "--max-new-tokens",
         "24",
         "--ignore-eos",
@@ -229,7 +221,14 @@ fn run_json_matches_the_reference_greedy_tokens() {
         "--json",
     ]);
     assert!(ok, "{err}");
-    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    let v = serde_json::from_str(out.trim()).expect("one JSON object");
+    (p, ids, v)
+}
+
+/// `run --json` (a stable interface): greedy tokens equal the reference.
+#[test]
+fn run_json_matches_the_reference_greedy_tokens() {
+    let (p, _, v) = greedy_run_json("tiny-qwen3", 1);
     assert_eq!(v["new_ids"], p["greedy"]);
     assert_eq!(v["prompt_ids"], p["ids"]);
     assert!(v["timings"]["decode_tok_s"].as_f64().unwrap() > 0.0);
@@ -273,27 +272,13 @@ fn run_json_matches_the_reference_greedy_tokens() {
 
 #[test]
 fn score_prints_argmax_at_every_position() {
-    let r: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/fixtures/tiny-qwen3-moe/ref.json"
-        ))
-        .unwrap(),
-    )
-    .unwrap();
-    let p = &r["prompts"][2];
-    let ids: Vec<String> = p["ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_string())
-        .collect();
+    let (p, ids) = ref_prompt("tiny-qwen3-moe", 2);
     let (ok, out, err) = run(&[
         "score",
         "--model",
         "fixtures/tiny-qwen3-moe",
         "--ids",
-        &ids.join(","),
+        &ids,
         "--json",
         "--logits",
         "last",
@@ -400,42 +385,14 @@ fn bench_e2e_quick_writes_json() {
 /// reference greedy tokens and argmax, through the stable JSON interfaces.
 #[test]
 fn deepseek_v4_runs_and_scores() {
-    let r: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/fixtures/tiny-dsv4/ref.json"
-        ))
-        .unwrap(),
-    )
-    .unwrap();
-    let p = &r["prompts"][2];
-    let ids: Vec<String> = p["ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_string())
-        .collect();
-    let (ok, out, err) = run(&[
-        "run",
-        "--model",
-        "fixtures/tiny-dsv4",
-        "--prompt-ids",
-        &ids.join(","),
-        "--max-new-tokens",
-        "24",
-        "--ignore-eos",
-        "--greedy",
-        "--json",
-    ]);
-    assert!(ok, "{err}");
-    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let (p, ids, v) = greedy_run_json("tiny-dsv4", 2);
     assert_eq!(v["new_ids"], p["greedy"]);
     let (ok, out, err) = run(&[
         "score",
         "--model",
         "fixtures/tiny-dsv4",
         "--ids",
-        &ids.join(","),
+        &ids,
         "--json",
     ]);
     assert!(ok, "{err}");

@@ -9,14 +9,8 @@ use bespoke::tokenizer::ChatMessage;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-const MODELS: &[&str] = &[
-    "tiny-llama",
-    "tiny-qwen2",
-    "tiny-qwen3",
-    "tiny-qwen3-moe",
-    "tiny-dsv4",
-    "tiny-dsv4-hf",
-];
+mod common;
+use common::FIXTURES as MODELS;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -149,12 +143,7 @@ fn tokenizers_match_transformers() {
         let r = json(&fixture(name).join("ref.json"));
         for p in r["prompts"].as_array().unwrap() {
             let text = p["text"].as_str().unwrap();
-            let ids: Vec<u32> = p["ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as u32)
-                .collect();
+            let ids = common::ids(&p["ids"]);
             assert_eq!(
                 tok.encode(text, true).unwrap(),
                 ids,
@@ -164,12 +153,7 @@ fn tokenizers_match_transformers() {
         // Round trips and the plain-encoding cases.
         for c in cases["cases"].as_array().unwrap() {
             let text = c["text"].as_str().unwrap();
-            let ids: Vec<u32> = c["ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as u32)
-                .collect();
+            let ids = common::ids(&c["ids"]);
             assert_eq!(
                 tok.encode(text, false).unwrap(),
                 ids,

@@ -269,12 +269,7 @@ impl<'m> Mat<'m> {
         act_quant: bool,
     ) -> Result<(), KernelError> {
         if act_quant && self.quantized() {
-            self.apply(
-                k,
-                &fp8_act_quant(&x[..(n * self.cols).min(x.len())], self.cols),
-                n,
-                y,
-            )
+            self.apply(k, &fp8_act_quant(x, self.cols), n, y)
         } else {
             self.apply(k, x, n, y)
         }

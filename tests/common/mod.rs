@@ -79,6 +79,16 @@ use bespoke::sample::argmax;
 use serde_json::Value;
 use std::path::Path;
 
+/// Every committed fixture model (fixtures/, from tools/make_fixtures.py).
+pub const FIXTURES: &[&str] = &[
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-qwen3-moe",
+    "tiny-dsv4",
+    "tiny-dsv4-hf",
+];
+
 /// A fixture directory, opened, with its ref.json.
 pub fn fixture(name: &str) -> (ModelDir, Value) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
