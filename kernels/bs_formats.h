@@ -62,4 +62,14 @@ static inline float bs_w1_bf16(const void *row, size_t c) { return bs_bf16_to_f3
 static inline float bs_w1_e4m3(const void *row, size_t c) { return bs_e4m3_to_f32(((const uint8_t *)row)[c]); }
 static inline float bs_w1_e2m1(const void *row, size_t c) { return bs_e2m1_at((const uint8_t *)row, c); }
 
+/* ---- The fp4×q8 variant (templates/q8.c.tera) ----
+ * E2M1 codes times two, as int8: 0 1 2 3 4 6 8 12 and the negatives (code 8,
+ * -0, is 0). Every E2M1 value is an integer after doubling, so a block's dot
+ * product with int8 activations is exact in int32. */
+static const int8_t BS_E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* Scale of one block's integer dot product: (2^(b-127) * 0.5) * d. The first
+ * product is exact (a power of two halved); every ISA then rounds once. */
+static inline float bs_q8_scale(uint8_t b, float d) { return (bs_e8m0_to_f32(b) * 0.5f) * d; }
+
 #endif

@@ -67,4 +67,6 @@ static inline float bs_reduce16(const bs_vf a[BS_G]) {
     __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));                             /* 0 + 1 */
     return _mm_cvtss_f32(s1);
 }
+
+#include "bs_q8_x86.h"
 #endif

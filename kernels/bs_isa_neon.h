@@ -78,4 +78,55 @@ static inline float bs_reduce16(const bs_vf a[BS_G]) {
     float32x2_t s2 = vadd_f32(vget_low_f32(w), vget_high_f32(w)); /* l + l+2 */
     return vget_lane_f32(s2, 0) + vget_lane_f32(s2, 1);       /* 0 + 1 */
 }
+
+/* ---- fp4×q8 (templates/q8.c.tera): eight block accumulators in two vectors ---- */
+typedef struct { float32x4_t lo, hi; } bs_q8acc;
+static inline bs_q8acc bs_q8_zero(void) {
+    bs_q8acc z = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
+    return z;
+}
+/* One block: partial integer dot products (their sum is exact). With dotprod
+ * (BESPOKE_CPU=jetson-orin, dgx-spark, ...) two SDOTs; baseline NEON widens
+ * with SMULL/SMLAL (|sum of four products| <= 4 * 12 * 127 fits int16). */
+static inline int32x4_t bs_q8_block(const uint8_t *w, const int8_t *x) {
+    const int8x16_t lut = vld1q_s8(BS_E2M1_X2);
+    const uint8x16_t b = vld1q_u8(w);
+    const int8x16_t we = vqtbl1q_s8(lut, vandq_u8(b, vdupq_n_u8(15)));
+    const int8x16_t wo = vqtbl1q_s8(lut, vshrq_n_u8(b, 4));
+    const int8x16_t xe = vld1q_s8(x), xo = vld1q_s8(x + 16);
+#ifdef __ARM_FEATURE_DOTPROD
+    return vdotq_s32(vdotq_s32(vdupq_n_s32(0), we, xe), wo, xo);
+#else
+    int16x8_t p = vmull_s8(vget_low_s8(we), vget_low_s8(xe));
+    p = vmlal_s8(p, vget_high_s8(we), vget_high_s8(xe));
+    p = vmlal_s8(p, vget_low_s8(wo), vget_low_s8(xo));
+    p = vmlal_s8(p, vget_high_s8(wo), vget_high_s8(xo));
+    return vpaddlq_s16(p);
+#endif
+}
+/* UE8M0 bytes to f32 (0 -> 2^-127, 0xFF -> NaN), four at a time. */
+static inline float32x4_t bs_e8m0x4(uint16x4_t e) {
+    const uint32x4_t u = vmovl_u16(e);
+    uint32x4_t bits = vshlq_n_u32(u, 23);
+    bits = vbslq_u32(vceqq_u32(u, vdupq_n_u32(0)), vdupq_n_u32(0x00400000u), bits);
+    bits = vbslq_u32(vceqq_u32(u, vdupq_n_u32(255)), vdupq_n_u32(BS_NAN_BITS), bits);
+    return vreinterpretq_f32_u32(bits);
+}
+static inline void bs_q8_step8(bs_q8acc *acc, const uint8_t *w, const uint8_t *ws, const int8_t *xq, const float *xd) {
+    int32x4_t v[8];
+    for (int k = 0; k < 8; ++k) v[k] = bs_q8_block(w + 16 * k, xq + 32 * k);
+    const int32x4_t t0 = vpaddq_s32(vpaddq_s32(v[0], v[1]), vpaddq_s32(v[2], v[3])); /* T0..T3 */
+    const int32x4_t t1 = vpaddq_s32(vpaddq_s32(v[4], v[5]), vpaddq_s32(v[6], v[7])); /* T4..T7 */
+    const uint16x8_t e = vmovl_u8(vld1_u8(ws));
+    const float32x4_t half = vdupq_n_f32(0.5f);
+    const float32x4_t s0 = vmulq_f32(vmulq_f32(bs_e8m0x4(vget_low_u16(e)), half), vld1q_f32(xd));
+    const float32x4_t s1 = vmulq_f32(vmulq_f32(bs_e8m0x4(vget_high_u16(e)), half), vld1q_f32(xd + 4));
+    acc->lo = vfmaq_f32(acc->lo, vcvtq_f32_s32(t0), s0);
+    acc->hi = vfmaq_f32(acc->hi, vcvtq_f32_s32(t1), s1);
+}
+static inline float bs_q8_reduce(bs_q8acc c) {
+    const float32x4_t s4 = vaddq_f32(c.lo, c.hi);                         /* k + k+4 */
+    const float32x2_t s2 = vadd_f32(vget_low_f32(s4), vget_high_f32(s4)); /* k + k+2 */
+    return vget_lane_f32(s2, 0) + vget_lane_f32(s2, 1);
+}
 #endif

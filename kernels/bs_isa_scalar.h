@@ -52,4 +52,28 @@ static inline float bs_reduce16(const bs_vf a[BS_G]) {
     for (int l = 0; l < 2; ++l) t[l] = t[l] + t[l + 2];
     return t[0] + t[1];
 }
+
+/* ---- fp4×q8 (templates/q8.c.tera): eight block accumulators ---- */
+typedef struct { float a[8]; } bs_q8acc;
+static inline bs_q8acc bs_q8_zero(void) {
+    bs_q8acc z;
+    for (int k = 0; k < 8; ++k) z.a[k] = 0.0f;
+    return z;
+}
+/* Blocks k = 0..7 (16 packed bytes of w and 32 bytes of xq each):
+ * acc[k] = fma(T_k, scale_k, acc[k]) with T_k the exact integer dot. */
+static inline void bs_q8_step8(bs_q8acc *acc, const uint8_t *w, const uint8_t *ws, const int8_t *xq, const float *xd) {
+    for (int k = 0; k < 8; ++k) {
+        int32_t t = 0;
+        for (int i = 0; i < 16; ++i) {
+            const uint8_t b = w[16 * k + i];
+            t += BS_E2M1_X2[b & 15] * xq[32 * k + i] + BS_E2M1_X2[b >> 4] * xq[32 * k + 16 + i];
+        }
+        acc->a[k] = fmaf((float)t, bs_q8_scale(ws[k], xd[k]), acc->a[k]);
+    }
+}
+/* ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)) */
+static inline float bs_q8_reduce(bs_q8acc c) {
+    return ((c.a[0] + c.a[4]) + (c.a[2] + c.a[6])) + ((c.a[1] + c.a[5]) + (c.a[3] + c.a[7]));
+}
 #endif

@@ -90,6 +90,13 @@ struct FnDecl {
 }
 
 #[derive(Serialize)]
+struct Q8ShapeCtx {
+    rows: usize,
+    cols: usize,
+    symbol: String,
+}
+
+#[derive(Serialize)]
 struct AttnCtx {
     head_dim: usize,
     n_heads: usize,
@@ -205,7 +212,7 @@ pub fn build() -> BuildResult<()> {
     let gen = out.join("kernels");
     fs::create_dir_all(&gen).map_err(|e| format!("{}: {e}", gen.display()))?;
     let mut tera = tera::Tera::default();
-    for name in ["matmul.c.tera", "attn.c.tera", "header.h.tera"] {
+    for name in ["matmul.c.tera", "attn.c.tera", "q8.c.tera", "header.h.tera"] {
         let path = root.join("templates").join(name);
         let text = fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         tera.add_raw_template(name, &text)
@@ -338,6 +345,56 @@ pub fn build() -> BuildResult<()> {
             symbol: generic.clone(),
         });
     }
+    writeln!(table, "];\n\npub static Q8_KERNELS: &[Q8Kernel] = &[").unwrap();
+    let mut q8_fns = Vec::new();
+    let fp4_shapes: Vec<&MatShape> = the_plan
+        .mat_shapes
+        .iter()
+        .filter(|s| s.format == Format::Fp4)
+        .collect();
+    for isa in plan::ISAS {
+        let compiled = isas.contains(&isa);
+        let generic = plan::q8_symbol(isa, None);
+        let shapes: Vec<Q8ShapeCtx> = fp4_shapes
+            .iter()
+            .map(|s| Q8ShapeCtx {
+                rows: s.rows,
+                cols: s.cols,
+                symbol: plan::q8_symbol(isa, Some(s)),
+            })
+            .collect();
+        let mut ctx = tera::Context::new();
+        ctx.insert("isa", &isa.desc());
+        ctx.insert("generic", &generic);
+        ctx.insert("shapes", &shapes);
+        let path = gen.join(format!("q8_fp4_{}.c", isa.name()));
+        write_if_changed(&path, &render("q8.c.tera", &ctx)?)?;
+        if !compiled {
+            continue;
+        }
+        sources.push((isa, path));
+        writeln!(
+            table,
+            "    Q8Kernel {{ isa: Isa::{isa:?}, shape: None, f: ffi::{generic} }},"
+        )
+        .unwrap();
+        q8_fns.push(FnDecl {
+            op: "q8",
+            symbol: generic,
+        });
+        for s in &shapes {
+            writeln!(
+                table,
+                "    Q8Kernel {{ isa: Isa::{isa:?}, shape: Some(({}, {})), f: ffi::{} }},",
+                s.rows, s.cols, s.symbol
+            )
+            .unwrap();
+            q8_fns.push(FnDecl {
+                op: "q8",
+                symbol: s.symbol.clone(),
+            });
+        }
+    }
     writeln!(table, "];").unwrap();
     writeln!(
         table,
@@ -352,6 +409,7 @@ pub fn build() -> BuildResult<()> {
     let mut hctx = tera::Context::new();
     hctx.insert("mat_fns", &mat_fns);
     hctx.insert("attn_fns", &attn_fns);
+    hctx.insert("q8_fns", &q8_fns);
     let header = gen.join("bespoke_kernels.h");
     write_if_changed(&header, &render("header.h.tera", &hctx)?)?;
 
@@ -402,8 +460,12 @@ fn compile(
     let werror = env_opt("BESPOKE_WERROR").is_some();
     let mut objects = Vec::new();
     let isas: Vec<Isa> = {
-        let mut v: Vec<Isa> = sources.iter().map(|(i, _)| *i).collect();
-        v.dedup();
+        let mut v: Vec<Isa> = Vec::new();
+        for (i, _) in sources {
+            if !v.contains(i) {
+                v.push(*i);
+            }
+        }
         v
     };
     for isa in isas {

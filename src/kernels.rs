@@ -3,6 +3,7 @@
 //! calling C, split rows across threads, and pick specialised or generic.
 
 use crate::plan::{AttnShape, Format, Isa};
+use crate::q8::{Fp4Act, Q8Act};
 use std::ffi::c_void;
 use std::fmt;
 use std::sync::OnceLock;
@@ -65,6 +66,26 @@ pub struct MatKernel {
     pub shape: Option<(usize, usize)>,
     pub matvec: MatvecFn,
     pub matmul: MatmulFn,
+}
+
+pub type Q8Fn = unsafe extern "C" fn(
+    *const u8,
+    *const u8,
+    *const i8,
+    *const f32,
+    *mut f32,
+    usize,
+    usize,
+    usize,
+    usize,
+);
+
+/// A compiled fp4×q8 matvec (FP4 weights, int8 activations: src/q8.rs),
+/// specialised on `shape` = (rows, cols) or generic.
+pub struct Q8Kernel {
+    pub isa: Isa,
+    pub shape: Option<(usize, usize)>,
+    pub f: Q8Fn,
 }
 
 /// A compiled attention-decode kernel.
@@ -261,10 +282,13 @@ pub struct AttnArgs<'a> {
     pub scale: f32,
 }
 
-/// A chosen kernel variant: every call goes to this ISA's kernels.
+/// A chosen kernel variant: every call goes to this ISA's kernels. With
+/// `fp4_act` = Q8, FP4 matrices go through the fp4×q8 kernels (a separately
+/// named variant that is not bit-identical to the f32 reference).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Kernels {
     isa: Isa,
+    fp4_act: Fp4Act,
 }
 
 /// Why a variant was chosen (for `bespoke plan` and the run banner).
@@ -304,7 +328,10 @@ impl Kernels {
                 runnable: runnable.join(", "),
             });
         }
-        Ok(Kernels { isa })
+        Ok(Kernels {
+            isa,
+            fp4_act: Fp4Act::F32,
+        })
     }
 
     /// The best compiled variant this CPU supports.
@@ -315,7 +342,10 @@ impl Kernels {
             .filter(|i| crate::cpu::missing_features(*i).is_empty())
             .max_by_key(|i| i.desc().score)
             .unwrap_or(Isa::Scalar);
-        Kernels { isa }
+        Kernels {
+            isa,
+            fp4_act: Fp4Act::F32,
+        }
     }
 
     /// Choose from a BESPOKE_KERNELS value (None / "" / "auto" = best).
@@ -354,6 +384,103 @@ impl Kernels {
 
     pub fn isa(&self) -> Isa {
         self.isa
+    }
+
+    /// These kernels with FP4 matrices multiplied as `act` says.
+    pub fn with_fp4_act(self, act: Fp4Act) -> Kernels {
+        Kernels {
+            fp4_act: act,
+            ..self
+        }
+    }
+
+    pub fn fp4_act(&self) -> Fp4Act {
+        self.fp4_act
+    }
+
+    /// The fp4×q8 kernel for a shape: specialised when the build made one.
+    pub fn q8_kernel(&self, rows: usize, cols: usize) -> &'static Q8Kernel {
+        self.q8_kernel_specialised(rows, cols)
+            .unwrap_or_else(|| self.q8_kernel_generic())
+    }
+
+    pub fn q8_kernel_specialised(&self, rows: usize, cols: usize) -> Option<&'static Q8Kernel> {
+        Q8_KERNELS
+            .iter()
+            .find(|k| k.isa == self.isa && k.shape == Some((rows, cols)))
+    }
+
+    pub fn q8_kernel_generic(&self) -> &'static Q8Kernel {
+        Q8_KERNELS
+            .iter()
+            .find(|k| k.isa == self.isa && k.shape.is_none())
+            .expect("build.rs emits a generic fp4×q8 kernel for every compiled ISA")
+    }
+
+    /// y = W x for FP4 W and quantized x, with a given fp4×q8 kernel.
+    pub fn matvec_q8_with(
+        &self,
+        k: &Q8Kernel,
+        m: &Matrix,
+        x: &Q8Act,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let Weights::Fp4 { w, scale } = m.weights else {
+            return Err(KernelError::Shape(format!(
+                "the fp4×q8 kernels take FP4 weights, not {}",
+                m.format()
+            )));
+        };
+        if k.isa != self.isa {
+            return Err(KernelError::Shape(format!(
+                "fp4×q8 kernel for {} used with the {} variant",
+                k.isa, self.isa
+            )));
+        }
+        if let Some((r, c)) = k.shape {
+            if (r, c) != (m.rows, m.cols) {
+                return Err(KernelError::Shape(format!(
+                    "fp4×q8 kernel specialised for {r}×{c} used on a {}×{} matrix",
+                    m.rows, m.cols
+                )));
+            }
+        }
+        check_len("fp4×q8 input xq", m.cols, x.q.len())?;
+        check_len("fp4×q8 input scales", m.cols / crate::q8::BLOCK, x.d.len())?;
+        check_len("matvec output y", m.rows, y.len())?;
+        let (rows, cols) = (m.rows, m.cols);
+        let (wp, sp, qp, dp, yp) = (
+            SendPtr(w.as_ptr()),
+            SendPtr(scale.as_ptr()),
+            SendPtr(x.q.as_ptr()),
+            SendPtr(x.d.as_ptr()),
+            SendPtr(y.as_mut_ptr()),
+        );
+        let f = k.f;
+        let run = move |r0: usize, r1: usize| {
+            let (wp, sp, qp, dp, yp) = (wp, sp, qp, dp, yp);
+            // SAFETY: Matrix::new checked w (rows×cols/2 bytes) and scale
+            // (rows×cols/32) and that cols is a multiple of 32; xq has cols
+            // and xd cols/32 elements, y rows (checked above); the kernel's
+            // shape matches; 0 <= r0 <= r1 <= rows and concurrent calls write
+            // disjoint rows of y.
+            unsafe { f(wp.0, sp.0, qp.0, dp.0, yp.0, rows, cols, r0, r1) }
+        };
+        self.par_rows(rows, rows * cols, run);
+        Ok(())
+    }
+
+    /// Y = W X through the fp4×q8 kernels, one token at a time.
+    fn matmul_q8(&self, m: &Matrix, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), KernelError> {
+        check_len(&format!("matmul input X [{n}, {}]", m.cols), n * m.cols, x.len())?;
+        check_len(&format!("matmul output Y [{n}, {}]", m.rows), n * m.rows, y.len())?;
+        let k = self.q8_kernel(m.rows, m.cols);
+        let mut a = Q8Act::default();
+        for (xt, yt) in x.chunks_exact(m.cols).zip(y.chunks_exact_mut(m.rows)) {
+            a.quantize_from(xt)?;
+            self.matvec_q8_with(k, m, &a, yt)?;
+        }
+        Ok(())
     }
 
     /// The kernel for a matrix: specialised on its shape when the build made
@@ -395,6 +522,9 @@ impl Kernels {
 
     /// y = W x.
     pub fn matvec(&self, m: &Matrix, x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
+        if self.fp4_act == Fp4Act::Q8 && m.format() == Format::Fp4 {
+            return self.matmul_q8(m, x, 1, y);
+        }
         self.matvec_with(self.mat_kernel(m.format(), m.rows, m.cols), m, x, y)
     }
 
@@ -406,6 +536,9 @@ impl Kernels {
         n: usize,
         y: &mut [f32],
     ) -> Result<(), KernelError> {
+        if self.fp4_act == Fp4Act::Q8 && m.format() == Format::Fp4 {
+            return self.matmul_q8(m, x, n, y);
+        }
         self.matmul_with(self.mat_kernel(m.format(), m.rows, m.cols), m, x, n, y)
     }
 
@@ -687,6 +820,10 @@ impl Kernels {
 
 impl fmt::Display for Kernels {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.isa)
+        write!(f, "{}", self.isa)?;
+        if self.fp4_act == Fp4Act::Q8 {
+            write!(f, " (FP4 with int8 activations: fp4×q8)")?;
+        }
+        Ok(())
     }
 }

@@ -14,6 +14,7 @@ pub mod kernels;
 pub mod model;
 #[path = "plan/mod.rs"]
 pub mod plan;
+pub mod q8;
 pub mod reference;
 pub mod report;
 pub mod safetensors;

@@ -169,3 +169,41 @@ pub fn attn_decode<'a>(a: &AttnArgs<'a>) -> Vec<f32> {
     }
     out
 }
+
+/// One fp4×q8 output (templates/q8.c.tera): row r of FP4 W times quantized
+/// activations, per block an exact integer dot product, then
+/// acc[b mod 8] = fma(T_b, (e8m0(ws_b) · 0.5) · d_b, acc[b mod 8]) over the
+/// blocks padded to a multiple of 8 with no-ops, and a fixed 8-lane tree.
+pub fn q8_row_dot(
+    m: &Matrix,
+    r: usize,
+    a: &crate::q8::Q8Act,
+) -> Result<f32, crate::kernels::KernelError> {
+    let Weights::Fp4 { w, scale } = m.weights() else {
+        return Err(crate::kernels::KernelError::Shape(format!(
+            "fp4×q8 takes FP4 weights, not {}",
+            m.format()
+        )));
+    };
+    let cols = m.cols();
+    let nb = cols / 32;
+    let row = &w[r * cols / 2..(r + 1) * cols / 2];
+    let x2 = |code: u8| (formats::e2m1_to_f32(code) * 2.0) as i32;
+    let mut acc = [0f32; 8];
+    for b in 0..nb.div_ceil(8) * 8 {
+        let (t, s) = if b < nb {
+            let mut t = 0i32;
+            for i in 0..16 {
+                let byte = row[16 * b + i];
+                t += x2(byte & 15) * a.q[32 * b + i] as i32
+                    + x2(byte >> 4) * a.q[32 * b + 16 + i] as i32;
+            }
+            let s = (formats::e8m0_to_f32(scale[r * nb + b]) * 0.5) * a.d[b];
+            (t, s)
+        } else {
+            (0, 0.0)
+        };
+        acc[b % 8] = (t as f32).mul_add(s, acc[b % 8]);
+    }
+    Ok(((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])))
+}

@@ -6,8 +6,9 @@
 mod common;
 
 use bespoke::kernels::{
-    AttnArgs, Kernels, Matrix, Weights, ATTN_KERNELS, COMPILED_ISAS, MAT_KERNELS,
+    AttnArgs, Kernels, Matrix, Weights, ATTN_KERNELS, COMPILED_ISAS, MAT_KERNELS, Q8_KERNELS,
 };
+use bespoke::q8::{Fp4Act, Q8Act};
 use bespoke::plan::{Format, Isa, FORMATS};
 use bespoke::{formats, reference};
 use common::{first_diff, Rng};
@@ -527,6 +528,99 @@ fn shape_and_length_errors_are_clear() {
         .unwrap()
         .to_string();
     assert!(e.contains("output Y"), "{e}");
+}
+
+/// fp4×q8 of one matrix on every variant, generic and specialised, against
+/// its own Rust reference, bit for bit; returns the outputs.
+fn check_q8(ks: &[Kernels], o: &Owned, x: &[f32]) -> Vec<f32> {
+    let (rows, cols) = (o.rows, o.cols);
+    let m = o.matrix();
+    let a = Q8Act::quantize(x).unwrap();
+    let want: Vec<f32> = (0..rows)
+        .map(|r| reference::q8_row_dot(&m, r, &a).unwrap())
+        .collect();
+    for k in ks {
+        let mut kernels = vec![("generic", k.q8_kernel_generic())];
+        if let Some(s) = k.q8_kernel_specialised(rows, cols) {
+            kernels.push(("specialised", s));
+        }
+        for (kind, kern) in kernels {
+            let mut y = vec![f32::NAN; rows];
+            k.matvec_q8_with(kern, &m, &a, &mut y).unwrap();
+            if let Some((i, p, q)) = first_diff(&y, &want) {
+                panic!("{} fp4×q8 {kind} {rows}x{cols}: row {i}: kernel {p:e} ({:#x}), reference {q:e} ({:#x})", k.isa(), p.to_bits(), q.to_bits());
+            }
+        }
+        // The engine path (Kernels with FP4 activations as q8) is the same.
+        let mut y = vec![f32::NAN; rows];
+        k.with_fp4_act(Fp4Act::Q8).matvec(&m, x, &mut y).unwrap();
+        assert!(first_diff(&y, &want).is_none(), "{} fp4×q8 via matvec", k.isa());
+    }
+    want
+}
+
+#[test]
+fn fp4_q8_matches_its_reference() {
+    let ks = runnable();
+    let mut rng = Rng(11);
+    let mut shapes = awkward_shapes(Format::Fp4);
+    // 8-block groups: exact, with a tail of 1 and of 7 blocks
+    shapes.extend([(3, 256), (4, 288), (5, 480), (1, 32 * 17)]);
+    shapes.extend(specialised_shapes(Format::Fp4));
+    for &(rows, cols) in &shapes {
+        let o = Owned::random(&mut rng, Format::Fp4, rows, cols);
+        // Every kind of activation (zeros, -0, subnormals, 1e30, f32::MAX)
+        // and, on some shapes, a block holding an infinity or a NaN.
+        let mut x = rng.activations(cols);
+        if cols >= 96 {
+            x[40] = f32::INFINITY;
+            x[cols - 1] = f32::NAN;
+        }
+        let y = check_q8(&ks, &o, &x);
+        if cols >= 96 {
+            assert!(y.iter().all(|v| v.is_nan()), "a NaN activation block makes every output NaN");
+        }
+    }
+    let names: Vec<String> = Q8_KERNELS
+        .iter()
+        .map(|k| format!("{}{}", k.isa, k.shape.map(|(r, c)| format!(" {r}x{c}")).unwrap_or_default()))
+        .collect();
+    eprintln!("fp4×q8 kernels checked: {}", names.join(", "));
+}
+
+/// The fp4×q8 variant stays within its stated error bound of the f32 kernels
+/// (finite, moderate scales; activations like a hidden state).
+#[test]
+fn fp4_q8_error_bound() {
+    let ks = runnable();
+    let mut rng = Rng(12);
+    let mut worst = 0.0f64;
+    for &(rows, cols) in &[(64, 2048), (37, 96), (16, 4096)] {
+        let mut o = Owned::random(&mut rng, Format::Fp4, rows, cols);
+        o.s = o.s.iter().map(|_| 120 + rng.below(12) as u8).collect();
+        let m = o.matrix();
+        let x: Vec<f32> = (0..cols).map(|_| rng.unit() * 3.0).collect();
+        let a = Q8Act::quantize(&x).unwrap();
+        let exact = reference::matvec(&m, &x);
+        for k in &ks {
+            let mut y = vec![0f32; rows];
+            k.with_fp4_act(Fp4Act::Q8).matvec(&m, &x, &mut y).unwrap();
+            for r in 0..rows {
+                let w_row: Vec<f32> = (0..cols)
+                    .map(|c| reference::weight(&m, r, c) * formats::e8m0_to_f32(o.s[r * (cols / 32) + c / 32]))
+                    .collect();
+                let bound = a.error_bound(&w_row, &x);
+                let err = (y[r] as f64 - exact[r] as f64).abs();
+                assert!(err <= bound, "{} {rows}x{cols} row {r}: |{} - {}| = {err:e} > bound {bound:e}", k.isa(), y[r], exact[r]);
+                let mag: f64 = w_row.iter().zip(&x).map(|(w, v)| (w * v).abs() as f64).sum();
+                worst = worst.max(err / mag);
+            }
+        }
+    }
+    // A bound that is never approached would prove little: the rounding
+    // of x must show (about 1/254 of a term's size, averaged down).
+    assert!(worst > 1e-5, "fp4×q8 error suspiciously small: {worst:e}");
+    eprintln!("fp4×q8: worst |y_q8 - y_f32| / sum|w x| = {worst:.2e}");
 }
 
 /// Prints which variants were compiled and which ran (CI shows this).

@@ -23,7 +23,8 @@ for isa in "${want[@]}"; do
         echo "isa-check: avx512: SIMDe missing (apt-get install libsimde-dev)"; status=1; continue
       fi
       cc "${flags[@]}" -mavx2 -mfma -mf16c -Wno-psabi -DBS_EMULATE_AVX512 -DISA=avx512 \
-        tools/isa-check/driver.c "$out"/mat_*_avx512.c "$out"/attn_avx512.c "$out"/mat_*_scalar.c "$out"/attn_scalar.c \
+        tools/isa-check/driver.c "$out"/mat_*_avx512.c "$out"/attn_avx512.c "$out"/q8_fp4_avx512.c \
+        "$out"/mat_*_scalar.c "$out"/attn_scalar.c "$out"/q8_fp4_scalar.c \
         -lm -o "$tmp/avx512"
       "$tmp/avx512" || status=1
       ;;
@@ -32,7 +33,8 @@ for isa in "${want[@]}"; do
         echo "isa-check: neon: needs aarch64-linux-gnu-gcc and qemu-aarch64"; status=1; continue
       fi
       aarch64-linux-gnu-gcc "${flags[@]}" -static -DISA=neon \
-        tools/isa-check/driver.c "$out"/mat_*_neon.c "$out"/attn_neon.c "$out"/mat_*_scalar.c "$out"/attn_scalar.c \
+        tools/isa-check/driver.c "$out"/mat_*_neon.c "$out"/attn_neon.c "$out"/q8_fp4_neon.c \
+        "$out"/mat_*_scalar.c "$out"/attn_scalar.c "$out"/q8_fp4_scalar.c \
         -lm -o "$tmp/neon"
       qemu-aarch64 "$tmp/neon" || status=1
       ;;

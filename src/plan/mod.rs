@@ -762,6 +762,12 @@ pub fn mat_symbol(op: Op, format: Format, isa: Isa, shape: Option<&MatShape>) ->
     format!("bs_{}_{}_{}_{}", op.name(), format.name(), isa.name(), tail)
 }
 
+/// C symbol of an fp4×q8 kernel (FP4 weights, int8 activations).
+pub fn q8_symbol(isa: Isa, shape: Option<&MatShape>) -> String {
+    let tail = shape.map(|s| s.key()).unwrap_or_else(|| "generic".into());
+    format!("bs_q8_fp4_{}_{}", isa.name(), tail)
+}
+
 /// C symbol of an attention kernel.
 pub fn attn_symbol(isa: Isa, shape: Option<&AttnShape>) -> String {
     let tail = shape.map(|s| s.key()).unwrap_or_else(|| "generic".into());

@@ -1,0 +1,182 @@
+//! The fp4×q8 variant's activations: x rounded to int8 per 32-column block,
+//! laid out for the kernels in templates/q8.c.tera.
+//!
+//! This is a separately named variant (DESIGN.md, numerics contract), off
+//! unless asked for (`--fp4-act q8`, `BESPOKE_FP4_ACT=q8`): FP4 weights times
+//! these int8 activations give products that are exact integers per block,
+//! which the SIMD units multiply-add several times faster than decoding FP4
+//! to f32. The price is the rounding of x. Per block b of 32 columns,
+//! d_b = max|x| / 127 and q = round_ties_even(x / d_b) in [-127, 127]
+//! (computed in f64, d_b then rounded to f32), so |x − q·d_b| ≤ d_b / 2 up to
+//! the f32 rounding of d_b (relative 2⁻²⁴, or 2⁻¹⁴⁹ when d_b is subnormal);
+//! [`Q8Act::error_bound`] turns that into a bound on each output.
+
+use crate::kernels::KernelError;
+
+/// Columns per activation block (the FP4 scale block).
+pub const BLOCK: usize = 32;
+
+/// Selects the FP4 matvec variant for engines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fp4Act {
+    /// f32 activations: bit-identical to the scalar reference (the default).
+    #[default]
+    F32,
+    /// int8 activations per 32 columns (the fp4×q8 kernels).
+    Q8,
+}
+
+impl Fp4Act {
+    pub fn parse(s: &str) -> Option<Fp4Act> {
+        match s.trim() {
+            "f32" => Some(Fp4Act::F32),
+            "q8" => Some(Fp4Act::Q8),
+            _ => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Fp4Act::F32 => "f32",
+            Fp4Act::Q8 => "q8",
+        }
+    }
+}
+
+/// Quantized activations for one input vector.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Q8Act {
+    /// [cols]: per block, the quantized even columns, then the odd ones.
+    pub q: Vec<i8>,
+    /// [cols / 32]: the scale d_b of each block (NaN when the block holds a
+    /// NaN or infinity: every output that reads it is then NaN).
+    pub d: Vec<f32>,
+}
+
+impl Q8Act {
+    pub fn cols(&self) -> usize {
+        self.q.len()
+    }
+
+    /// Quantize x (its length a multiple of 32).
+    pub fn quantize(x: &[f32]) -> Result<Q8Act, KernelError> {
+        let mut a = Q8Act::default();
+        a.quantize_from(x)?;
+        Ok(a)
+    }
+
+    /// Quantize x into these buffers (reused across calls).
+    pub fn quantize_from(&mut self, x: &[f32]) -> Result<(), KernelError> {
+        if x.len() % BLOCK != 0 {
+            return Err(KernelError::Shape(format!(
+                "fp4×q8 activations: {} columns is not a multiple of {BLOCK}",
+                x.len()
+            )));
+        }
+        self.q.resize(x.len(), 0);
+        self.d.resize(x.len() / BLOCK, 0.0);
+        for ((xb, qb), d) in x
+            .chunks_exact(BLOCK)
+            .zip(self.q.chunks_exact_mut(BLOCK))
+            .zip(self.d.iter_mut())
+        {
+            let amax = xb.iter().fold(0.0f32, |m, v| {
+                if v.is_finite() {
+                    m.max(v.abs())
+                } else {
+                    f32::INFINITY
+                }
+            });
+            if !amax.is_finite() {
+                *d = f32::NAN;
+                qb.fill(0);
+                continue;
+            }
+            if amax == 0.0 {
+                *d = 0.0;
+                qb.fill(0);
+                continue;
+            }
+            // In f64, where neither amax / 127 nor x / d can underflow or
+            // overflow; d is then rounded to f32 once.
+            let d64 = amax as f64 / 127.0;
+            *d = d64 as f32;
+            let quant = |v: f32| (v as f64 / d64).round_ties_even().clamp(-127.0, 127.0) as i8;
+            for i in 0..BLOCK / 2 {
+                qb[i] = quant(xb[2 * i]);
+                qb[BLOCK / 2 + i] = quant(xb[2 * i + 1]);
+            }
+        }
+        Ok(())
+    }
+
+    /// The dequantized activations, in column order (for error bounds).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut x = vec![0.0f32; self.q.len()];
+        for (b, (xb, qb)) in x
+            .chunks_exact_mut(BLOCK)
+            .zip(self.q.chunks_exact(BLOCK))
+            .enumerate()
+        {
+            for i in 0..BLOCK / 2 {
+                xb[2 * i] = qb[i] as f32 * self.d[b];
+                xb[2 * i + 1] = qb[BLOCK / 2 + i] as f32 * self.d[b];
+            }
+        }
+        x
+    }
+
+    /// A bound on |y_q8 − y_f32| for one output, given that row's weights
+    /// decoded to f32 (scales applied) in column order: the rounding of x,
+    /// Σ_b (d_b / 2)·Σ_{c∈b} |w_c|, plus f32 accumulation in both kernels,
+    /// 2·cols·2⁻²⁴·Σ|w_c·x_c| + the same for the dequantized x.
+    pub fn error_bound(&self, w_row: &[f32], x: &[f32]) -> f64 {
+        let xq = self.dequantize();
+        let mut round = 0.0f64;
+        let mut mass = 0.0f64;
+        for (b, d) in self.d.iter().enumerate() {
+            let cols = b * BLOCK..(b + 1) * BLOCK;
+            let wsum: f64 = w_row[cols.clone()].iter().map(|w| w.abs() as f64).sum();
+            // d_b / 2, plus 127 times d_b's own rounding error.
+            round += wsum * ((*d as f64) * (0.5 + 127.0 * f64::powi(2.0, -24)) + 127.0 * f64::powi(2.0, -149));
+            for c in cols {
+                mass += (w_row[c] as f64 * x[c] as f64).abs()
+                    + (w_row[c] as f64 * xq[c] as f64).abs();
+            }
+        }
+        round + 2.0 * w_row.len() as f64 * f64::powi(2.0, -24) * mass
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_and_rounding() {
+        let x: Vec<f32> = (0..64).map(|i| i as f32 - 20.0).collect();
+        let a = Q8Act::quantize(&x).unwrap();
+        assert_eq!(a.d, vec![20.0 / 127.0, 43.0 / 127.0]);
+        // even columns first, then odd ones; the block's largest value is ±127
+        assert_eq!(a.q[0], -127);
+        assert_eq!(a.q[16], (-19.0f64 / (20.0f64 / 127.0)).round() as i8);
+        assert_eq!(a.q[63], 127);
+        for (v, w) in a.dequantize().iter().zip(&x) {
+            let d = if (w + 20.0) < 32.0 { a.d[0] } else { a.d[1] };
+            assert!((v - w).abs() <= d * 0.5 * (1.0 + 1e-5), "{v} vs {w}");
+        }
+    }
+
+    #[test]
+    fn zeros_tiny_and_non_finite_blocks() {
+        let mut x = vec![0.0f32; 96];
+        x[40] = f32::from_bits(1); // the smallest subnormal
+        x[70] = f32::NAN;
+        let a = Q8Act::quantize(&x).unwrap();
+        assert_eq!(a.d[0], 0.0);
+        assert!(a.q[..32].iter().all(|&q| q == 0));
+        assert!(a.d[1] >= 0.0 && a.d[1] < 1e-44);
+        assert!(a.d[2].is_nan() && a.q[64..].iter().all(|&q| q == 0));
+        let e = Q8Act::quantize(&[1.0; 33]).unwrap_err().to_string();
+        assert!(e.contains("33 columns") && e.contains("multiple of 32"), "{e}");
+    }
+}
