@@ -16,6 +16,7 @@ fn main() {
             bespoke::plan::Format::Fp8,
             bespoke::plan::Format::Fp4,
         ],
+        fp4_q8: true,
     };
     if let Err(e) = bespoke::bench::kernels(&opts) {
         eprintln!("bench: {e}");

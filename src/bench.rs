@@ -5,7 +5,8 @@
 //! generic, 1 thread and all threads, weights resident in cache and streamed
 //! from memory (cycling through copies larger than the last-level cache).
 
-use crate::kernels::{Kernels, MatKernel, Matrix, Weights, COMPILED_ISAS};
+use crate::kernels::{Kernels, MatKernel, Matrix, Q8Kernel, Weights, COMPILED_ISAS};
+use crate::q8::Q8Act;
 use crate::plan::Format;
 use serde::Serialize;
 use std::hint::black_box;
@@ -15,6 +16,16 @@ pub struct Options {
     pub threads: usize,
     pub quick: bool,
     pub formats: Vec<Format>,
+    /// Also time the fp4×q8 variant (FP4 weights, int8 activations; shown as
+    /// format "fp4q8") on every FP4 case, the activation quantization included.
+    pub fp4_q8: bool,
+}
+
+/// A kernel under test.
+#[derive(Clone, Copy)]
+enum Kern {
+    Mat(&'static MatKernel),
+    Q8(&'static Q8Kernel),
 }
 
 #[derive(Serialize)]
@@ -239,7 +250,7 @@ fn matrix(format: Format, rows: usize, cols: usize, w: &Weights0) -> Matrix<'_> 
 }
 
 /// The cases: DeepSeek V4 Flash expert shapes and the fixture's shapes, for
-/// each selected format this build specialised.
+/// each selected format this build specialised; (format, rows, cols, origin).
 fn cases(formats: &[Format]) -> Vec<(Format, usize, usize, String)> {
     let plan = crate::report::build_plan();
     let mut out = Vec::new();
@@ -327,12 +338,25 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             skipped.join(", ")
         );
     }
-    let cases = cases(&opts.formats);
+    // (format, rows, cols, origin, fp4×q8)
+    let mut all: Vec<(Format, usize, usize, String, bool)> = cases(&opts.formats)
+        .into_iter()
+        .map(|(f, r, c, o)| (f, r, c, o, false))
+        .collect();
+    if opts.fp4_q8 {
+        all.extend(
+            cases(&[Format::Fp4])
+                .into_iter()
+                .map(|(f, r, c, o)| (f, r, c, o, true)),
+        );
+    }
+    let cases = all;
     let total = cases.len() * variants.len() * 2 * thread_counts.len() * 2;
     let mut done = 0;
     let mut results = Vec::new();
-    for (ci, (format, rows, cols, origin)) in cases.iter().enumerate() {
-        let (format, rows, cols) = (*format, *rows, *cols);
+    for (ci, (format, rows, cols, origin, q8)) in cases.iter().enumerate() {
+        let (format, rows, cols, q8) = (*format, *rows, *cols, *q8);
+        let label = if q8 { "fp4q8".to_string() } else { format.to_string() };
         let one = make_weights(format, rows, cols, ci as u64 + 1);
         let bytes = matrix(format, rows, cols, &one).bytes();
         let copies = if bytes >= 1 << 20 {
@@ -347,14 +371,25 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
             .collect();
         for k in &variants {
-            let kinds: Vec<(&str, &MatKernel)> = [
-                k.mat_kernel_specialised(format, rows, cols)
-                    .map(|s| ("specialised", s)),
-                Some(("generic", k.mat_kernel_generic(format))),
-            ]
-            .into_iter()
-            .flatten()
-            .collect();
+            let kinds: Vec<(&str, Kern)> = if q8 {
+                [
+                    k.q8_kernel_specialised(rows, cols)
+                        .map(|s| ("specialised", Kern::Q8(s))),
+                    Some(("generic", Kern::Q8(k.q8_kernel_generic()))),
+                ]
+                .into_iter()
+                .flatten()
+                .collect()
+            } else {
+                [
+                    k.mat_kernel_specialised(format, rows, cols)
+                        .map(|s| ("specialised", Kern::Mat(s))),
+                    Some(("generic", Kern::Mat(k.mat_kernel_generic(format)))),
+                ]
+                .into_iter()
+                .flatten()
+                .collect()
+            };
             for &t in &thread_counts {
                 let pool = crate::threads::pool(t);
                 let bw = bandwidth
@@ -368,7 +403,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                         continue;
                     }
                     eprint!(
-                        "\r[{done}/{total}] {format} {rows}x{cols} {} {t}t {residency}          ",
+                        "\r[{done}/{total}] {label} {rows}x{cols} {} {t}t {residency}          ",
                         k.isa()
                     );
                     let mats: Vec<Matrix> = if residency == "cache" {
@@ -385,11 +420,18 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                         .map(|(_, kern)| {
                             let (mats, x, k, kern) = (&mats, &x, *k, *kern);
                             let mut y = vec![0f32; rows];
+                            let mut a = Q8Act::default();
                             let mut i = 0;
                             Box::new(move || {
                                 let m = &mats[i % mats.len()];
                                 i += 1;
-                                k.matvec_with(kern, m, x, &mut y).expect("benchmark matvec");
+                                match kern {
+                                    Kern::Mat(kern) => k.matvec_with(kern, m, x, &mut y),
+                                    Kern::Q8(kern) => a
+                                        .quantize_from(x)
+                                        .and_then(|()| k.matvec_q8_with(kern, m, &a, &mut y)),
+                                }
+                                .expect("benchmark matvec");
                                 black_box(&y);
                             }) as Box<dyn FnMut() + Send>
                         })
@@ -404,7 +446,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                     for ((kind, _), (med, min, max)) in kinds.iter().zip(stats) {
                         let gb = bytes as f64 / med / 1e9;
                         results.push(KernelResult {
-                            format: format.to_string(),
+                            format: label.clone(),
                             rows,
                             cols,
                             origin: origin.clone(),
@@ -478,8 +520,21 @@ fn print_summary(r: &[KernelResult]) {
         let ratio = generic
             .map(|g| g.median_us / s.median_us)
             .unwrap_or(f64::NAN);
+        // fp4×q8 next to the same FP4 matrix with f32 activations.
+        let vs_fp4 = (s.format == "fp4q8")
+            .then(|| {
+                r.iter().find(|f| {
+                    f.format == "fp4"
+                        && f.kernel == s.kernel
+                        && (f.rows, f.cols, &f.isa, f.threads, &f.residency)
+                            == (s.rows, s.cols, &s.isa, s.threads, &s.residency)
+                })
+            })
+            .flatten()
+            .map(|f| format!(", {:.2}x fp4 with f32 activations", f.median_us / s.median_us))
+            .unwrap_or_default();
         println!(
-            "  {:<5} {:>11} {:<7} {}t {:<6}  {:>6.1}% of read bandwidth, {:.2}x the generic kernel",
+            "  {:<5} {:>11} {:<7} {}t {:<6}  {:>6.1}% of read bandwidth, {:.2}x the generic kernel{vs_fp4}",
             s.format,
             format!("{}×{}", s.rows, s.cols),
             s.isa,

@@ -133,7 +133,10 @@ enum BenchWhat {
         /// Also write the results as JSON to FILE.
         #[arg(long, value_name = "FILE")]
         json: Option<PathBuf>,
-        /// Only kernels whose format is one of these (comma-separated: f32,bf16,fp8,fp4).
+        /// Only kernels whose format is one of these (comma-separated: f32, bf16,
+        /// fp8, fp4, and fp4q8 — the fp4×q8 variant: FP4 weights times
+        /// activations rounded to int8 per 32 columns, quantization included).
+        /// Default: bf16,fp8,fp4,fp4q8.
         #[arg(long, value_name = "LIST")]
         formats: Option<String>,
     },
@@ -244,21 +247,23 @@ fn run(cli: Cli) -> Result<(), String> {
                 },
         } => {
             let n = threads::init(threads::resolve(t)?);
-            let formats = match formats {
-                None => vec![plan::Format::Bf16, plan::Format::Fp8, plan::Format::Fp4],
-                Some(list) => list
-                    .split(',')
-                    .map(|s| {
-                        plan::Format::parse(s.trim()).ok_or_else(|| {
-                            format!("--formats: unknown format {s:?} (f32, bf16, fp8, fp4)")
-                        })
-                    })
-                    .collect::<Result<Vec<_>, _>>()?,
-            };
+            let list = formats.unwrap_or_else(|| "bf16,fp8,fp4,fp4q8".into());
+            let mut formats = Vec::new();
+            let mut fp4_q8 = false;
+            for s in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                if s == "fp4q8" {
+                    fp4_q8 = true;
+                    continue;
+                }
+                formats.push(plan::Format::parse(s).ok_or_else(|| {
+                    format!("--formats: unknown format {s:?} (f32, bf16, fp8, fp4, fp4q8)")
+                })?);
+            }
             let opts = bench::Options {
                 threads: n,
                 quick,
                 formats,
+                fp4_q8,
             };
             let results = bench::kernels(&opts)?;
             if let Some(path) = json {
