@@ -6,8 +6,8 @@
 //! from memory (cycling through copies larger than the last-level cache).
 
 use crate::kernels::{Kernels, MatKernel, Matrix, Q8Kernel, Weights, COMPILED_ISAS};
-use crate::q8::Q8Act;
 use crate::plan::Format;
+use crate::q8::Q8Act;
 use serde::Serialize;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -356,7 +356,11 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
     let mut results = Vec::new();
     for (ci, (format, rows, cols, origin, q8)) in cases.iter().enumerate() {
         let (format, rows, cols, q8) = (*format, *rows, *cols, *q8);
-        let label = if q8 { "fp4q8".to_string() } else { format.to_string() };
+        let label = if q8 {
+            "fp4q8".to_string()
+        } else {
+            format.to_string()
+        };
         let one = make_weights(format, rows, cols, ci as u64 + 1);
         let bytes = matrix(format, rows, cols, &one).bytes();
         let copies = if bytes >= 1 << 20 {
@@ -531,7 +535,12 @@ fn print_summary(r: &[KernelResult]) {
                 })
             })
             .flatten()
-            .map(|f| format!(", {:.2}x fp4 with f32 activations", f.median_us / s.median_us))
+            .map(|f| {
+                format!(
+                    ", {:.2}x fp4 with f32 activations",
+                    f.median_us / s.median_us
+                )
+            })
             .unwrap_or_default();
         println!(
             "  {:<5} {:>11} {:<7} {}t {:<6}  {:>6.1}% of read bandwidth, {:.2}x the generic kernel{vs_fp4}",

@@ -3,7 +3,7 @@
 //! run, and the fraction of it decode reaches.
 
 use crate::bench::{llc_bytes, read_bandwidth};
-use crate::generate::{AnyModel, CausalLm};
+use crate::generate::CausalLm;
 use crate::kernels::Kernels;
 use crate::model::ModelDir;
 use crate::sample::argmax;
@@ -17,6 +17,8 @@ pub struct E2eOptions {
     pub threads: usize,
     pub quick: bool,
     pub chunk: usize,
+    /// `--numerics` / `--fp4-act`, as for `run`.
+    pub num: crate::commands::NumericsArgs,
 }
 
 #[derive(Serialize)]
@@ -36,6 +38,8 @@ pub struct E2eResults {
     pub model: String,
     pub family: String,
     pub kernels: String,
+    /// "f32" or "q8" (the fp4×q8 variant).
+    pub fp4_act: String,
     pub specialised_matrices: (usize, usize),
     pub cpu: String,
     pub llc_bytes: usize,
@@ -54,8 +58,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
     let m = ModelDir::open(dir).map_err(|e| e.to_string())?;
-    let k = Kernels::from_env().map_err(|e| e.to_string())?.kernels;
-    let eng = AnyModel::load(&m, k).map_err(|e| e.to_string())?;
+    let k = Kernels::from_env()
+        .map_err(|e| e.to_string())?
+        .kernels
+        .with_fp4_act(opts.num.fp4_act());
+    let eng = crate::commands::engine(&m, k, opts.num)?;
     let vocab = eng.vocab();
     let ctx = opts.prompt_len + opts.gen;
     if ctx > m.config.max_position_embeddings {
@@ -140,6 +147,7 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
         model: m.dir.display().to_string(),
         family: m.config.family.name().into(),
         kernels: k.isa().name().into(),
+        fp4_act: k.fp4_act().name().into(),
         specialised_matrices: crate::commands::specialisation(&m, &k),
         cpu: crate::cpu::cpu_name(),
         llc_bytes: llc,

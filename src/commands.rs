@@ -109,6 +109,11 @@ fn banner(m: &ModelDir, k: &Kernels, reason: &str, ctx: usize) {
         format!("{hit} of {total} matrices specialised, the rest generic")
     };
     eprintln!("kernels: {} — {reason}; {note}", k.isa());
+    if k.fp4_act() == crate::q8::Fp4Act::Q8 && has_fp4(m) {
+        eprintln!(
+            "fp4×q8: FP4 products use int8 activations (--fp4-act q8): faster, not token-exact"
+        );
+    }
 }
 
 /// `--numerics`: see [`crate::engine::dsv4::Numerics`].
@@ -118,9 +123,55 @@ pub enum NumericsArg {
     Deepseek,
 }
 
-fn engine<'m>(m: &'m ModelDir, k: Kernels, numerics: NumericsArg) -> Result<AnyModel<'m>, String> {
+/// `--fp4-act`: see [`crate::q8`].
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp4ActArg {
+    F32,
+    Q8,
+}
+
+/// The numerics options shared by `run`, `score` and `bench e2e`.
+#[derive(clap::Args, Debug, Clone, Copy)]
+pub struct NumericsArgs {
+    /// DeepSeek V4 only: whose numerics to follow where they differ.
+    /// `transformers` (default, the oracle): f32 activations, the shared
+    /// expert clamped at swiglu_limit. `deepseek` (DeepSeek's inference
+    /// code): activations quantized to FP8 before every FP8/FP4 product,
+    /// the shared expert unclamped.
+    #[arg(long, value_name = "WHOSE", value_enum, default_value_t = NumericsArg::Transformers)]
+    pub numerics: NumericsArg,
+    /// How FP4 weights (DeepSeek V4's routed experts) meet their activations.
+    /// `f32` (default): exact f32 products, bit-identical to the scalar
+    /// reference. `q8`: the fp4×q8 kernels — activations rounded to int8 per
+    /// 32 columns (scale max|x|/127), integer dot products; faster, but not
+    /// token-exact (the error bound is in src/q8.rs and tested).
+    #[arg(long, value_name = "ACT", value_enum, default_value_t = Fp4ActArg::F32)]
+    pub fp4_act: Fp4ActArg,
+}
+
+impl NumericsArgs {
+    pub fn fp4_act(&self) -> crate::q8::Fp4Act {
+        match self.fp4_act {
+            Fp4ActArg::F32 => crate::q8::Fp4Act::F32,
+            Fp4ActArg::Q8 => crate::q8::Fp4Act::Q8,
+        }
+    }
+}
+
+fn has_fp4(m: &ModelDir) -> bool {
+    m.bytes_by_format()
+        .iter()
+        .any(|(f, _)| f.starts_with("FP4"))
+}
+
+/// The engine for a model, with the numerics options applied.
+pub fn engine<'m>(m: &'m ModelDir, k: Kernels, num: NumericsArgs) -> Result<AnyModel<'m>, String> {
+    let k = k.with_fp4_act(num.fp4_act());
+    if num.fp4_act == Fp4ActArg::Q8 && !has_fp4(m) {
+        eprintln!("note: --fp4-act q8 changes nothing here: this model has no FP4 weights");
+    }
     let mut eng = AnyModel::load(m, k).map_err(|e| e.to_string())?;
-    if numerics == NumericsArg::Deepseek {
+    if num.numerics == NumericsArg::Deepseek {
         match &mut eng {
             AnyModel::Dsv4(d) => d.numerics = crate::engine::dsv4::Numerics::DeepSeek,
             _ => {
@@ -190,13 +241,8 @@ pub struct RunArgs {
     /// Prompt tokens per prefill step (small-batch matmul width).
     #[arg(long, value_name = "N", default_value_t = 64)]
     pub chunk: usize,
-    /// DeepSeek V4 only: whose numerics to follow where they differ.
-    /// `transformers` (default, the oracle): f32 activations, the shared
-    /// expert clamped at swiglu_limit. `deepseek` (DeepSeek's inference
-    /// code): activations quantized to FP8 before every FP8/FP4 product,
-    /// the shared expert unclamped.
-    #[arg(long, value_name = "WHOSE", value_enum, default_value_t = NumericsArg::Transformers)]
-    pub numerics: NumericsArg,
+    #[command(flatten)]
+    pub num: NumericsArgs,
     /// Print one JSON object on stdout: prompt_ids, new_ids, text, stop_reason, kernels, timings.
     #[arg(long)]
     pub json: bool,
@@ -286,7 +332,8 @@ pub fn run(a: RunArgs) -> Result<(), String> {
         sampling.seed = s;
     }
     sampling.validate()?;
-    let eng = engine(&m, k, a.numerics)?;
+    let k = k.with_fp4_act(a.num.fp4_act());
+    let eng = engine(&m, k, a.num)?;
     banner(&m, &k, &reason, prompt_ids.len() + max_new);
     let opts = GenOptions {
         max_new_tokens: max_new,
@@ -318,6 +365,7 @@ pub fn run(a: RunArgs) -> Result<(), String> {
             "text": g.text,
             "stop_reason": g.stop_reason,
             "kernels": k.isa().name(),
+            "fp4_act": k.fp4_act().name(),
             "timings": t,
         });
         println!("{v}");
@@ -365,13 +413,8 @@ pub struct ScoreArgs {
     /// Prompt tokens per prefill step.
     #[arg(long, value_name = "N", default_value_t = 64)]
     pub chunk: usize,
-    /// DeepSeek V4 only: whose numerics to follow where they differ.
-    /// `transformers` (default, the oracle): f32 activations, the shared
-    /// expert clamped at swiglu_limit. `deepseek` (DeepSeek's inference
-    /// code): activations quantized to FP8 before every FP8/FP4 product,
-    /// the shared expert unclamped.
-    #[arg(long, value_name = "WHOSE", value_enum, default_value_t = NumericsArg::Transformers)]
-    pub numerics: NumericsArg,
+    #[command(flatten)]
+    pub num: NumericsArgs,
     /// Print {"ids", "argmax", "last_logits"?} as JSON.
     #[arg(long)]
     pub json: bool,
@@ -395,7 +438,8 @@ pub fn score(a: ScoreArgs) -> Result<(), String> {
     if ids.is_empty() {
         return Err("nothing to score: the sequence is empty".into());
     }
-    let eng = engine(&m, k, a.numerics)?;
+    let k = k.with_fp4_act(a.num.fp4_act());
+    let eng = engine(&m, k, a.num)?;
     if !a.json {
         banner(&m, &k, &reason, ids.len());
     }
@@ -407,7 +451,7 @@ pub fn score(a: ScoreArgs) -> Result<(), String> {
     let am: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();
     let last = &logits[logits.len() - vocab..];
     if a.json {
-        let mut v = json!({"ids": ids, "argmax": am, "kernels": k.isa().name()});
+        let mut v = json!({"ids": ids, "argmax": am, "kernels": k.isa().name(), "fp4_act": k.fp4_act().name()});
         if a.logits.is_some() {
             v["last_logits"] = json!(last);
         }

@@ -472,8 +472,16 @@ impl Kernels {
 
     /// Y = W X through the fp4×q8 kernels, one token at a time.
     fn matmul_q8(&self, m: &Matrix, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), KernelError> {
-        check_len(&format!("matmul input X [{n}, {}]", m.cols), n * m.cols, x.len())?;
-        check_len(&format!("matmul output Y [{n}, {}]", m.rows), n * m.rows, y.len())?;
+        check_len(
+            &format!("matmul input X [{n}, {}]", m.cols),
+            n * m.cols,
+            x.len(),
+        )?;
+        check_len(
+            &format!("matmul output Y [{n}, {}]", m.rows),
+            n * m.rows,
+            y.len(),
+        )?;
         let k = self.q8_kernel(m.rows, m.cols);
         let mut a = Q8Act::default();
         for (xt, yt) in x.chunks_exact(m.cols).zip(y.chunks_exact_mut(m.rows)) {

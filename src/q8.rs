@@ -137,10 +137,12 @@ impl Q8Act {
             let cols = b * BLOCK..(b + 1) * BLOCK;
             let wsum: f64 = w_row[cols.clone()].iter().map(|w| w.abs() as f64).sum();
             // d_b / 2, plus 127 times d_b's own rounding error.
-            round += wsum * ((*d as f64) * (0.5 + 127.0 * f64::powi(2.0, -24)) + 127.0 * f64::powi(2.0, -149));
+            round += wsum
+                * ((*d as f64) * (0.5 + 127.0 * f64::powi(2.0, -24))
+                    + 127.0 * f64::powi(2.0, -149));
             for c in cols {
-                mass += (w_row[c] as f64 * x[c] as f64).abs()
-                    + (w_row[c] as f64 * xq[c] as f64).abs();
+                mass +=
+                    (w_row[c] as f64 * x[c] as f64).abs() + (w_row[c] as f64 * xq[c] as f64).abs();
             }
         }
         round + 2.0 * w_row.len() as f64 * f64::powi(2.0, -24) * mass
@@ -177,6 +179,9 @@ mod tests {
         assert!(a.d[1] >= 0.0 && a.d[1] < 1e-44);
         assert!(a.d[2].is_nan() && a.q[64..].iter().all(|&q| q == 0));
         let e = Q8Act::quantize(&[1.0; 33]).unwrap_err().to_string();
-        assert!(e.contains("33 columns") && e.contains("multiple of 32"), "{e}");
+        assert!(
+            e.contains("33 columns") && e.contains("multiple of 32"),
+            "{e}"
+        );
     }
 }

@@ -459,6 +459,75 @@ fn deepseek_v4_chat_needs_its_special_tokens() {
     assert!(!ok && err.contains("--chat"), "{err}");
 }
 
+/// `--fp4-act q8` (the fp4×q8 kernels for DeepSeek V4's FP4 experts) runs,
+/// says so, changes the logits a little (int8 activations) — less than
+/// DeepSeek's FP8 activations do — and is a no-op, with a note, elsewhere.
+#[test]
+fn fp4_act_q8_flag() {
+    let (_, ids) = ref_prompt("tiny-dsv4", 1);
+    let score = |extra: &[&str]| {
+        let mut a = vec![
+            "score",
+            "--model",
+            "fixtures/tiny-dsv4",
+            "--ids",
+            &ids,
+            "--json",
+            "--logits",
+            "last",
+        ];
+        a.extend_from_slice(extra);
+        let (ok, out, err) = run(&a);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let logits: Vec<f64> = v["last_logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        (v, logits)
+    };
+    let (v32, l32) = score(&[]);
+    let (vq8, lq8) = score(&["--fp4-act", "q8"]);
+    let (_, lds) = score(&["--numerics", "deepseek"]);
+    assert_eq!(v32["fp4_act"], "f32");
+    assert_eq!(vq8["fp4_act"], "q8");
+    let dist = |a: &[f64], b: &[f64]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max)
+    };
+    assert!(lq8.iter().all(|x| x.is_finite()));
+    let (dq8, dds) = (dist(&l32, &lq8), dist(&l32, &lds));
+    assert!(dq8 > 0.0, "int8 activations changed nothing");
+    assert!(
+        dq8 < dds,
+        "fp4×q8 moved the logits by {dq8}, FP8 activations by {dds}"
+    );
+    let (ok, _, err) = run(&[
+        "run",
+        "--model",
+        "fixtures/tiny-dsv4",
+        "--fp4-act",
+        "q8",
+        "--max-new-tokens",
+        "2",
+    ]);
+    assert!(
+        ok && err.contains("fp4×q8") && err.contains("not token-exact"),
+        "{err}"
+    );
+    let (ok, _, err) = run(&["run", "--fp4-act", "q8", "--max-new-tokens", "2"]);
+    assert!(
+        ok && err.contains("changes nothing") && !err.contains("not token-exact"),
+        "{err}"
+    );
+    let (ok, _, err) = run(&["run", "--fp4-act", "q4"]);
+    assert!(!ok && err.contains("q8"), "{err}");
+}
+
 /// `--numerics deepseek` follows DeepSeek's inference code on DeepSeek V4
 /// (FP8 activations into FP8/FP4 products): it runs, changes the logits, and
 /// is refused for other families.

@@ -8,8 +8,8 @@ mod common;
 use bespoke::kernels::{
     AttnArgs, Kernels, Matrix, Weights, ATTN_KERNELS, COMPILED_ISAS, MAT_KERNELS, Q8_KERNELS,
 };
-use bespoke::q8::{Fp4Act, Q8Act};
 use bespoke::plan::{Format, Isa, FORMATS};
+use bespoke::q8::{Fp4Act, Q8Act};
 use bespoke::{formats, reference};
 use common::{first_diff, Rng};
 
@@ -551,10 +551,28 @@ fn check_q8(ks: &[Kernels], o: &Owned, x: &[f32]) -> Vec<f32> {
                 panic!("{} fp4×q8 {kind} {rows}x{cols}: row {i}: kernel {p:e} ({:#x}), reference {q:e} ({:#x})", k.isa(), p.to_bits(), q.to_bits());
             }
         }
-        // The engine path (Kernels with FP4 activations as q8) is the same.
+        // The engine path (Kernels with FP4 activations as q8) is the same,
+        // and its matmul is token by token.
+        let kq = k.with_fp4_act(Fp4Act::Q8);
         let mut y = vec![f32::NAN; rows];
-        k.with_fp4_act(Fp4Act::Q8).matvec(&m, x, &mut y).unwrap();
-        assert!(first_diff(&y, &want).is_none(), "{} fp4×q8 via matvec", k.isa());
+        kq.matvec(&m, x, &mut y).unwrap();
+        assert!(
+            first_diff(&y, &want).is_none(),
+            "{} fp4×q8 via matvec",
+            k.isa()
+        );
+        let xs: Vec<f32> = x.iter().chain(x.iter().rev()).copied().collect();
+        let mut ys = vec![f32::NAN; 2 * rows];
+        kq.matmul(&m, &xs, 2, &mut ys).unwrap();
+        let a2 = Q8Act::quantize(&xs[cols..]).unwrap();
+        let want2: Vec<f32> = (0..rows)
+            .map(|r| reference::q8_row_dot(&m, r, &a2).unwrap())
+            .collect();
+        assert!(
+            first_diff(&ys[..rows], &want).is_none() && first_diff(&ys[rows..], &want2).is_none(),
+            "{} fp4×q8 via matmul",
+            k.isa()
+        );
     }
     want
 }
@@ -578,12 +596,23 @@ fn fp4_q8_matches_its_reference() {
         }
         let y = check_q8(&ks, &o, &x);
         if cols >= 96 {
-            assert!(y.iter().all(|v| v.is_nan()), "a NaN activation block makes every output NaN");
+            assert!(
+                y.iter().all(|v| v.is_nan()),
+                "a NaN activation block makes every output NaN"
+            );
         }
     }
     let names: Vec<String> = Q8_KERNELS
         .iter()
-        .map(|k| format!("{}{}", k.isa, k.shape.map(|(r, c)| format!(" {r}x{c}")).unwrap_or_default()))
+        .map(|k| {
+            format!(
+                "{}{}",
+                k.isa,
+                k.shape
+                    .map(|(r, c)| format!(" {r}x{c}"))
+                    .unwrap_or_default()
+            )
+        })
         .collect();
     eprintln!("fp4×q8 kernels checked: {}", names.join(", "));
 }
@@ -607,12 +636,25 @@ fn fp4_q8_error_bound() {
             k.with_fp4_act(Fp4Act::Q8).matvec(&m, &x, &mut y).unwrap();
             for r in 0..rows {
                 let w_row: Vec<f32> = (0..cols)
-                    .map(|c| reference::weight(&m, r, c) * formats::e8m0_to_f32(o.s[r * (cols / 32) + c / 32]))
+                    .map(|c| {
+                        reference::weight(&m, r, c)
+                            * formats::e8m0_to_f32(o.s[r * (cols / 32) + c / 32])
+                    })
                     .collect();
                 let bound = a.error_bound(&w_row, &x);
                 let err = (y[r] as f64 - exact[r] as f64).abs();
-                assert!(err <= bound, "{} {rows}x{cols} row {r}: |{} - {}| = {err:e} > bound {bound:e}", k.isa(), y[r], exact[r]);
-                let mag: f64 = w_row.iter().zip(&x).map(|(w, v)| (w * v).abs() as f64).sum();
+                assert!(
+                    err <= bound,
+                    "{} {rows}x{cols} row {r}: |{} - {}| = {err:e} > bound {bound:e}",
+                    k.isa(),
+                    y[r],
+                    exact[r]
+                );
+                let mag: f64 = w_row
+                    .iter()
+                    .zip(&x)
+                    .map(|(w, v)| (w * v).abs() as f64)
+                    .sum();
                 worst = worst.max(err / mag);
             }
         }

@@ -117,6 +117,8 @@ enum BenchWhat {
         /// Also write the results as JSON to FILE.
         #[arg(long, value_name = "FILE")]
         json: Option<PathBuf>,
+        #[command(flatten)]
+        num: bespoke::commands::NumericsArgs,
     },
     /// Time every FP4 / FP8 / BF16 matvec this build specialised at DeepSeek V4
     /// Flash expert shapes and the fixture's shapes, per ISA variant,
@@ -218,6 +220,7 @@ fn run(cli: Cli) -> Result<(), String> {
                     threads: t,
                     quick,
                     json,
+                    num,
                 },
         } => {
             let n = threads::resolve(t)?;
@@ -228,6 +231,7 @@ fn run(cli: Cli) -> Result<(), String> {
                 threads: n,
                 quick,
                 chunk,
+                num,
             };
             let r = bespoke::bench_e2e::e2e(&dir, &opts)?;
             if let Some(path) = json {
