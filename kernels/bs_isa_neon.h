@@ -112,7 +112,9 @@ static inline float32x4_t bs_e8m0x4(uint16x4_t e) {
     bits = vbslq_u32(vceqq_u32(u, vdupq_n_u32(255)), vdupq_n_u32(BS_NAN_BITS), bits);
     return vreinterpretq_f32_u32(bits);
 }
-static inline void bs_q8_step8(bs_q8acc *acc, const uint8_t *w, const uint8_t *ws, const int8_t *xq, const float *xd) {
+static inline void bs_q8_step8(bs_q8acc *acc, const uint8_t *w, const uint8_t *ws, const int8_t *xq, const float *xd,
+                               const int32_t *xs) {
+    (void)xs; /* the per-block sums of xq are for offset encodings (x86) */
     int32x4_t v[8];
     for (int k = 0; k < 8; ++k) v[k] = bs_q8_block(w + 16 * k, xq + 32 * k);
     const int32x4_t t0 = vpaddq_s32(vpaddq_s32(v[0], v[1]), vpaddq_s32(v[2], v[3])); /* T0..T3 */

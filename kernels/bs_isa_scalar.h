@@ -62,7 +62,9 @@ static inline bs_q8acc bs_q8_zero(void) {
 }
 /* Blocks k = 0..7 (16 packed bytes of w and 32 bytes of xq each):
  * acc[k] = fma(T_k, scale_k, acc[k]) with T_k the exact integer dot. */
-static inline void bs_q8_step8(bs_q8acc *acc, const uint8_t *w, const uint8_t *ws, const int8_t *xq, const float *xd) {
+static inline void bs_q8_step8(bs_q8acc *acc, const uint8_t *w, const uint8_t *ws, const int8_t *xq, const float *xd,
+                               const int32_t *xs) {
+    (void)xs; /* the per-block sums of xq are for offset encodings (x86) */
     for (int k = 0; k < 8; ++k) {
         int32_t t = 0;
         for (int i = 0; i < 16; ++i) {

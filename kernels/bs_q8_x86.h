@@ -7,28 +7,46 @@
 typedef __m256 bs_q8acc;
 static inline bs_q8acc bs_q8_zero(void) { return _mm256_setzero_ps(); }
 
-/* One block: eight int32 partial dot products (their sum is exact). The 16
+/* 2*E2M1 + 12 (0..24): unsigned, so maddubs takes the codes as they are and
+ * x as the signed operand; the offset is taken back once per block as
+ * 12 * sum(xq), from the per-block sums the caller passes. */
+static const int8_t BS_E2M1_X2_OFF12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+/* One block: sixteen int16 sums of two products, (2w + 12) * x. The 16
  * packed bytes go to both halves; the low half keeps the low nibbles (even
  * columns), the high half the high ones (odd columns), as xq is laid out.
- * pshufb maps codes to 2*E2M1 in int8; maddubs needs an unsigned operand, so
- * it gets |w| and x with w's sign (|pair sum| <= 2 * 12 * 127: no saturation). */
-static inline __m256i bs_q8_block(const uint8_t *w, const int8_t *x) {
-    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)BS_E2M1_X2));
+ * |pair| <= 2 * 24 * 128: no saturation. */
+static inline __m256i bs_q8_block(const uint8_t *w, const int8_t *x, __m256i lut) {
     const __m256i y = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w));
     const __m256i c = _mm256_and_si256(_mm256_srlv_epi32(y, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
-    const __m256i wv = _mm256_shuffle_epi8(lut, c);
-    const __m256i xv = _mm256_loadu_si256((const __m256i *)x);
-    const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    return _mm256_maddubs_epi16(_mm256_shuffle_epi8(lut, c), _mm256_loadu_si256((const __m256i *)x));
+}
+/* Lane-pair sums of two vectors' int16s, interleaved (transposing add). */
+static inline __m256i bs_q8_pair16(__m256i a, __m256i b) {
+    return _mm256_add_epi16(_mm256_unpacklo_epi16(a, b), _mm256_unpackhi_epi16(a, b));
+}
+static inline __m256i bs_q8_pair32(__m256i a, __m256i b) {
+    return _mm256_add_epi16(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+}
+/* [k0..k3 k0..k3 | k0..k3 k0..k3] int16 -> the eight int32 [k0..k3 k0..k3]
+ * summed over the two halves. */
+static inline __m256i bs_q8_widen(__m256i r) {
+    return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(r)),
+                            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(r, 1)));
 }
 
-static inline void bs_q8_step8(bs_q8acc *acc, const uint8_t *w, const uint8_t *ws, const int8_t *xq, const float *xd) {
-    __m256i v[8];
-    for (int k = 0; k < 8; ++k) v[k] = bs_q8_block(w + 16 * k, xq + 32 * k);
-    /* hadd tree: q0 = [T0..T3 of lanes 0-3 | T0..T3 of lanes 4-7], q1 the same for T4..T7 */
-    const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    const __m256i t = _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+/* xs: the blocks' sums of xq. A transposing add tree brings the eight
+ * blocks' int16 pair sums to per-block totals (each int16 partial holds at
+ * most 8 pairs: |sum| <= 24576, no overflow), widened to int32 at the end. */
+static inline void bs_q8_step8(bs_q8acc *acc, const uint8_t *w, const uint8_t *ws, const int8_t *xq, const float *xd,
+                               const int32_t *xs) {
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)BS_E2M1_X2_OFF12));
+    __m256i p[8];
+    for (int k = 0; k < 8; ++k) p[k] = bs_q8_block(w + 16 * k, xq + 32 * k, lut);
+    const __m256i e0 = bs_q8_widen(bs_q8_pair32(bs_q8_pair16(p[0], p[1]), bs_q8_pair16(p[2], p[3])));
+    const __m256i e1 = bs_q8_widen(bs_q8_pair32(bs_q8_pair16(p[4], p[5]), bs_q8_pair16(p[6], p[7])));
+    __m256i t = _mm256_add_epi32(_mm256_permute2x128_si256(e0, e1, 0x20), _mm256_permute2x128_si256(e0, e1, 0x31));
+    t = _mm256_sub_epi32(t, _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)xs), _mm256_set1_epi32(12)));
     /* scales: UE8M0 bits (0 -> 2^-127, 0xFF -> NaN), halved, times d */
     const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)ws));
     __m256i bits = _mm256_slli_epi32(e, 23);

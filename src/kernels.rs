@@ -73,6 +73,7 @@ pub type Q8Fn = unsafe extern "C" fn(
     *const u8,
     *const i8,
     *const f32,
+    *const i32,
     *mut f32,
     usize,
     usize,
@@ -447,24 +448,27 @@ impl Kernels {
         }
         check_len("fp4×q8 input xq", m.cols, x.q.len())?;
         check_len("fp4×q8 input scales", m.cols / crate::q8::BLOCK, x.d.len())?;
+        check_len("fp4×q8 input block sums", m.cols / crate::q8::BLOCK, x.sum.len())?;
+
         check_len("matvec output y", m.rows, y.len())?;
         let (rows, cols) = (m.rows, m.cols);
-        let (wp, sp, qp, dp, yp) = (
+        let (wp, sp, qp, dp, cp, yp) = (
             SendPtr(w.as_ptr()),
             SendPtr(scale.as_ptr()),
             SendPtr(x.q.as_ptr()),
             SendPtr(x.d.as_ptr()),
+            SendPtr(x.sum.as_ptr()),
             SendPtr(y.as_mut_ptr()),
         );
         let f = k.f;
         let run = move |r0: usize, r1: usize| {
-            let (wp, sp, qp, dp, yp) = (wp, sp, qp, dp, yp);
+            let (wp, sp, qp, dp, cp, yp) = (wp, sp, qp, dp, cp, yp);
             // SAFETY: Matrix::new checked w (rows×cols/2 bytes) and scale
             // (rows×cols/32) and that cols is a multiple of 32; xq has cols
-            // and xd cols/32 elements, y rows (checked above); the kernel's
-            // shape matches; 0 <= r0 <= r1 <= rows and concurrent calls write
-            // disjoint rows of y.
-            unsafe { f(wp.0, sp.0, qp.0, dp.0, yp.0, rows, cols, r0, r1) }
+            // and xd and xs cols/32 elements, y rows (checked above); the
+            // kernel's shape matches; 0 <= r0 <= r1 <= rows and concurrent
+            // calls write disjoint rows of y.
+            unsafe { f(wp.0, sp.0, qp.0, dp.0, cp.0, yp.0, rows, cols, r0, r1) }
         };
         self.par_rows(rows, rows * cols, run);
         Ok(())

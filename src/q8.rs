@@ -6,7 +6,7 @@
 //! these int8 activations give products that are exact integers per block,
 //! which the SIMD units multiply-add several times faster than decoding FP4
 //! to f32. The price is the rounding of x. Per block b of 32 columns,
-//! d_b = max|x| / 127 and q = round_ties_even(x / d_b) in [-127, 127]
+//! d_b = max|x| / 127 and q = round_ties_even(x · 127 / max|x|) in [-127, 127]
 //! (computed in f64, d_b then rounded to f32), so |x − q·d_b| ≤ d_b / 2 up to
 //! the f32 rounding of d_b (relative 2⁻²⁴, or 2⁻¹⁴⁹ when d_b is subnormal);
 //! [`Q8Act::error_bound`] turns that into a bound on each output.
@@ -42,19 +42,31 @@ impl Fp4Act {
     }
 }
 
-/// Quantized activations for one input vector.
+/// Quantized activations for one input vector. Built only by
+/// [`Q8Act::quantize`], so the three arrays always agree.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Q8Act {
     /// [cols]: per block, the quantized even columns, then the odd ones.
-    pub q: Vec<i8>,
+    pub(crate) q: Vec<i8>,
     /// [cols / 32]: the scale d_b of each block (NaN when the block holds a
     /// NaN or infinity: every output that reads it is then NaN).
-    pub d: Vec<f32>,
+    pub(crate) d: Vec<f32>,
+    /// [cols / 32]: each block's sum of q (the x86 kernels offset the
+    /// weights to unsigned and take the offset back with it).
+    pub(crate) sum: Vec<i32>,
 }
 
 impl Q8Act {
     pub fn cols(&self) -> usize {
         self.q.len()
+    }
+    /// [cols]: per 32-column block, the even columns' int8 values, then the odd ones'.
+    pub fn q(&self) -> &[i8] {
+        &self.q
+    }
+    /// [cols / 32]: each block's scale.
+    pub fn d(&self) -> &[f32] {
+        &self.d
     }
 
     /// Quantize x (its length a multiple of 32).
@@ -74,6 +86,7 @@ impl Q8Act {
         }
         self.q.resize(x.len(), 0);
         self.d.resize(x.len() / BLOCK, 0.0);
+        self.sum.resize(x.len() / BLOCK, 0);
         for ((xb, qb), d) in x
             .chunks_exact(BLOCK)
             .zip(self.q.chunks_exact_mut(BLOCK))
@@ -100,11 +113,15 @@ impl Q8Act {
             // overflow; d is then rounded to f32 once.
             let d64 = amax as f64 / 127.0;
             *d = d64 as f32;
-            let quant = |v: f32| (v as f64 / d64).round_ties_even().clamp(-127.0, 127.0) as i8;
+            let inv = 127.0 / amax as f64;
+            let quant = |v: f32| (v as f64 * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
             for i in 0..BLOCK / 2 {
                 qb[i] = quant(xb[2 * i]);
                 qb[BLOCK / 2 + i] = quant(xb[2 * i + 1]);
             }
+        }
+        for (s, qb) in self.sum.iter_mut().zip(self.q.chunks_exact(BLOCK)) {
+            *s = qb.iter().map(|&v| v as i32).sum();
         }
         Ok(())
     }

@@ -25,8 +25,8 @@ DECL(f32, scalar) DECL(bf16, scalar) DECL(fp8, scalar) DECL(fp4, scalar)
 DECL(f32, ISA) DECL(bf16, ISA) DECL(fp8, ISA) DECL(fp4, ISA)
 at_fn ATTN(scalar);
 at_fn ATTN(ISA);
-typedef void q8_fn(const uint8_t *, const uint8_t *, const int8_t *, const float *, float *, size_t, size_t, size_t,
-                   size_t);
+typedef void q8_fn(const uint8_t *, const uint8_t *, const int8_t *, const float *, const int32_t *, float *, size_t,
+                   size_t, size_t, size_t);
 #define Q8(isa) CAT3(bs_q8_fp4_, isa, _generic)
 q8_fn Q8(scalar);
 q8_fn Q8(ISA);
@@ -156,15 +156,16 @@ int main(void) {
         uint8_t *w = malloc(rows * cols / 2), *sc = malloc(rows * nb);
         int8_t *xq = malloc(cols);
         float *xd = malloc(nb * 4), *y0 = malloc(rows * 4), *y1 = malloc(rows * 4);
+        int32_t *xs = calloc(nb, 4);
         for (size_t i = 0; i < rows * cols / 2; ++i) w[i] = (uint8_t)rnd();
         for (size_t i = 0; i < rows * nb; ++i) sc[i] = scale_byte();
-        for (size_t i = 0; i < cols; ++i) xq[i] = (int8_t)(rnd() % 255 - 127);
+        for (size_t i = 0; i < cols; ++i) xq[i] = (int8_t)(rnd() % 255 - 127), xs[i / 32] += xq[i];
         for (size_t i = 0; i < nb; ++i) xd[i] = fabsf(activation());
-        Q8(scalar)(w, sc, xq, xd, y0, rows, cols, 0, rows);
-        Q8(ISA)(w, sc, xq, xd, y1, rows, cols, 0, rows);
+        Q8(scalar)(w, sc, xq, xd, xs, y0, rows, cols, 0, rows);
+        Q8(ISA)(w, sc, xq, xd, xs, y1, rows, cols, 0, rows);
         snprintf(what, sizeof what, "fp4xq8 matvec %zux%zu", rows, cols);
         compare(what, y0, y1, rows);
-        free(w), free(sc), free(xq), free(xd), free(y0), free(y1);
+        free(w), free(sc), free(xq), free(xd), free(xs), free(y0), free(y1);
     }
     printf("%s vs scalar: %d kernel checks, %d mismatching values\n", STR(ISA), checks, mismatches);
     return mismatches != 0;
