@@ -448,7 +448,11 @@ impl Kernels {
         }
         check_len("fp4×q8 input xq", m.cols, x.q.len())?;
         check_len("fp4×q8 input scales", m.cols / crate::q8::BLOCK, x.d.len())?;
-        check_len("fp4×q8 input block sums", m.cols / crate::q8::BLOCK, x.sum.len())?;
+        check_len(
+            "fp4×q8 input block sums",
+            m.cols / crate::q8::BLOCK,
+            x.sum.len(),
+        )?;
 
         check_len("matvec output y", m.rows, y.len())?;
         let (rows, cols) = (m.rows, m.cols);
