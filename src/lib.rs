@@ -2,7 +2,9 @@
 //! machine. See README.md for the flow; `plan` is shared with build.rs.
 
 pub mod bench;
+pub mod bench_compare;
 pub mod bench_e2e;
+pub mod bench_plot;
 pub mod chat;
 pub mod commands;
 pub mod cpu;

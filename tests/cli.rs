@@ -76,34 +76,89 @@ fn plan_json_is_the_build_plan() {
         .is_some_and(|a| a.iter().any(|i| i == "Scalar")));
 }
 
+/// `bench kernels --quick` on the fixture's shapes: valid JSON and SVG, twice,
+/// then `bench compare` of the two runs (and its errors).
 #[test]
-fn bench_kernels_quick_writes_json() {
-    let path = std::env::temp_dir().join(format!("bespoke-bench-{}.json", std::process::id()));
-    let p = path.to_str().unwrap();
-    let (ok, out, err) = run(&[
-        "bench",
-        "kernels",
-        "--quick",
-        "--threads",
-        "1",
-        "--formats",
-        "bf16",
-        "--json",
-        p,
-    ]);
+fn bench_kernels_quick_json_plot_and_compare() {
+    let tmp = |name: &str| {
+        std::env::temp_dir()
+            .join(format!("bespoke-bench-{}-{name}", std::process::id()))
+            .to_str()
+            .unwrap()
+            .to_string()
+    };
+    let (a, b, svg) = (tmp("a.json"), tmp("b.json"), tmp("a.svg"));
+    for (path, formats) in [(&a, "bf16,fp4q8"), (&b, "bf16,fp4")] {
+        let mut args = vec![
+            "bench",
+            "kernels",
+            "--quick",
+            "--threads",
+            "1",
+            "--formats",
+            formats,
+            "--json",
+            path,
+        ];
+        if path == &a {
+            args.extend(["--plot", svg.as_str()]);
+        }
+        let (ok, out, err) = run(&args);
+        assert!(ok, "{err}");
+        assert!(out.contains("summary"), "{out}");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let ks = v["kernels"].as_array().unwrap();
+        assert!(!ks.is_empty());
+        assert!(ks
+            .iter()
+            .all(|k| k["median_us"].as_f64().is_some_and(|t| t > 0.0)));
+        assert!(v["bandwidth"][0]["gb_per_s"]
+            .as_f64()
+            .is_some_and(|g| g > 0.0));
+        if path == &a {
+            assert!(ks.iter().any(|k| k["format"] == "fp4q8"), "fp4q8 rows");
+        }
+    }
+    // The chart: well-formed enough to hold one bar per measurement.
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.starts_with("<svg") && text.trim_end().ends_with("</svg>"));
+    let va: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&a).unwrap()).unwrap();
+    assert_eq!(
+        text.matches("<rect x=").count() - 2,
+        va["kernels"].as_array().unwrap().len(),
+        "bars (+2 legend keys)"
+    );
+    // Compare: the shared bf16 rows are matched; the others listed per file.
+    let (ok, out, err) = run(&["bench", "compare", &a, &b]);
     assert!(ok, "{err}");
-    assert!(out.contains("summary"), "{out}");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    let ks = v["kernels"].as_array().unwrap();
-    assert!(!ks.is_empty());
-    assert!(ks
-        .iter()
-        .all(|k| k["median_us"].as_f64().is_some_and(|t| t > 0.0)));
-    assert!(v["bandwidth"][0]["gb_per_s"]
-        .as_f64()
-        .is_some_and(|g| g > 0.0));
-    std::fs::remove_file(&path).ok();
+    assert!(
+        out.contains("geometric mean ratio") && out.contains("bf16"),
+        "{out}"
+    );
+    assert!(
+        out.contains("only in") && out.contains("fp4q8") && out.contains("fp4 "),
+        "{out}"
+    );
+    // A file with itself: every ratio is exactly 1.
+    let (ok, out, _) = run(&["bench", "compare", &a, &a]);
+    assert!(
+        ok && out.contains("geometric mean ratio 1.000x") && !out.contains("only in"),
+        "{out}"
+    );
+    // Errors name the file and what was expected.
+    let (ok, _, err) = run(&["bench", "compare", &a, "Cargo.toml"]);
+    assert!(
+        !ok && err.contains("Cargo.toml") && err.contains("not JSON"),
+        "{err}"
+    );
+    std::fs::write(tmp("x.json"), "{\"runs\": []}").unwrap();
+    let (ok, _, err) = run(&["bench", "compare", &a, &tmp("x.json")]);
+    assert!(!ok && err.contains("like with like"), "{err}");
+    for p in [a, b, svg, tmp("x.json")] {
+        std::fs::remove_file(p).ok();
+    }
 }
 
 #[test]
@@ -360,6 +415,12 @@ fn bench_e2e_quick_writes_json() {
         assert!(r["read_gb_per_s"].as_f64().unwrap() > 0.0);
     }
     assert!(v["bytes_per_decode_token"].as_u64().unwrap() > 0);
+    assert_eq!(v["fp4_act"], "f32");
+    let (ok, out, err) = run(&["bench", "compare", p, p]);
+    assert!(
+        ok && out.contains("decode") && out.contains("1.00x"),
+        "{out}{err}"
+    );
     // DeepSeek V4 too, with its bytes per token (FP8/FP4 weights + scales).
     let (ok, _, err) = run(&[
         "bench",

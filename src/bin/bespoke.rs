@@ -120,6 +120,15 @@ enum BenchWhat {
         #[command(flatten)]
         num: bespoke::commands::NumericsArgs,
     },
+    /// The ratio table between two `bench kernels --json` files (or two
+    /// `bench e2e --json` files): two builds, two machines, two commits.
+    /// A is the baseline; a ratio is B's speed over A's (> 1: B is faster).
+    Compare {
+        /// The baseline results file.
+        a: PathBuf,
+        /// The results file compared against it.
+        b: PathBuf,
+    },
     /// Time every FP4 / FP8 / BF16 matvec this build specialised at DeepSeek V4
     /// Flash expert shapes and the fixture's shapes, per ISA variant,
     /// specialised and generic, 1 thread and all threads, weights cache-resident
@@ -135,6 +144,10 @@ enum BenchWhat {
         /// Also write the results as JSON to FILE.
         #[arg(long, value_name = "FILE")]
         json: Option<PathBuf>,
+        /// Also draw specialised vs generic GB/s per kernel, ISA, thread count
+        /// and residency, with the read bandwidth marked, as an SVG chart.
+        #[arg(long, value_name = "FILE.svg")]
+        plot: Option<PathBuf>,
         /// Only kernels whose format is one of these (comma-separated: f32, bf16,
         /// fp8, fp4, and fp4q8 — the fp4×q8 variant: FP4 weights times
         /// activations rounded to int8 per 32 columns, quantization included).
@@ -242,11 +255,22 @@ fn run(cli: Cli) -> Result<(), String> {
             Ok(())
         }
         Command::Bench {
+            what: BenchWhat::Compare { a, b },
+        } => {
+            let (a, b) = (
+                bespoke::bench_compare::load(&a)?,
+                bespoke::bench_compare::load(&b)?,
+            );
+            print!("{}", bespoke::bench_compare::compare(&a, &b)?);
+            Ok(())
+        }
+        Command::Bench {
             what:
                 BenchWhat::Kernels {
                     threads: t,
                     quick,
                     json,
+                    plot,
                     formats,
                 },
         } => {
@@ -273,6 +297,11 @@ fn run(cli: Cli) -> Result<(), String> {
             if let Some(path) = json {
                 let text = serde_json::to_string_pretty(&results).map_err(|e| e.to_string())?;
                 std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+                eprintln!("wrote {}", path.display());
+            }
+            if let Some(path) = plot {
+                std::fs::write(&path, bespoke::bench_plot::svg(&results))
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
                 eprintln!("wrote {}", path.display());
             }
             Ok(())
