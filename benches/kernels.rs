@@ -17,6 +17,7 @@ fn main() {
             bespoke::plan::Format::Fp4,
         ],
         fp4_q8: true,
+        shapes: bespoke::bench::ShapeSet::Default,
     };
     if let Err(e) = bespoke::bench::kernels(&opts) {
         eprintln!("bench: {e}");

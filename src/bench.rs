@@ -16,10 +16,33 @@ pub struct Options {
     pub threads: usize,
     pub quick: bool,
     pub formats: Vec<Format>,
+    /// Time this model's matrices instead of the default set (see
+    /// [`ShapeSet`]).
+    pub shapes: ShapeSet,
     /// Also time the fp4×q8 variant (FP4 weights, int8 activations; shown as
     /// format "fp4q8") on every FP4 case, the activation quantization included.
     pub fp4_q8: bool,
 }
+
+/// Which matrix shapes to time.
+#[derive(Debug, Clone)]
+pub enum ShapeSet {
+    /// DeepSeek V4 Flash's expert shapes (2048×4096, 4096×2048) and the
+    /// bundled fixtures' shapes, where this build specialised them.
+    Default,
+    /// Every matrix of DeepSeek V4 Flash (the bundled config), specialised
+    /// where the build made a kernel for it, else generic only.
+    Dsv4Flash,
+    /// Every matrix of the model whose directory or config.json this is.
+    Model(std::path::PathBuf),
+}
+
+/// DeepSeek V4 Flash's config.json (shapes only), built in.
+const DSV4_FLASH_CONFIG: &str = include_str!("../fixtures/configs/deepseek-v4-flash.json");
+
+/// Larger matrices are skipped (their streamed copies would not fit a
+/// sensible memory budget); the run says which.
+const MAX_BENCH_MATRIX_BYTES: usize = 256 << 20;
 
 /// A kernel under test.
 #[derive(Clone, Copy)]
@@ -249,6 +272,67 @@ fn matrix(format: Format, rows: usize, cols: usize, w: &Weights0) -> Matrix<'_> 
     Matrix::new(rows, cols, ws).expect("benchmark matrix")
 }
 
+/// A model's matrices, one case per distinct (format, rows, cols), named by
+/// the matrices that have that shape.
+fn model_cases(
+    cfg: &crate::plan::ModelConfig,
+    formats: &[Format],
+) -> Result<Vec<(Format, usize, usize, String)>, String> {
+    let planned = crate::plan::plan_model(cfg).map_err(|e| e.to_string())?;
+    let mut out: Vec<(Format, usize, usize, String)> = Vec::new();
+    for u in &planned.matrices {
+        if !formats.contains(&u.format) {
+            continue;
+        }
+        let bytes = (u.rows * u.format.row_bytes(u.cols)) as f64;
+        if bytes > MAX_BENCH_MATRIX_BYTES as f64 {
+            eprintln!(
+                "skipped {} ({} {}×{}, {:.0} MiB: over the benchmark's {} MiB per matrix)",
+                u.name,
+                u.format,
+                u.rows,
+                u.cols,
+                bytes / (1u64 << 20) as f64,
+                MAX_BENCH_MATRIX_BYTES >> 20
+            );
+            continue;
+        }
+        match out
+            .iter_mut()
+            .find(|c| (c.0, c.1, c.2) == (u.format, u.rows, u.cols))
+        {
+            Some(c) => {
+                c.3 += ", ";
+                c.3 += &u.name;
+            }
+            None => out.push((u.format, u.rows, u.cols, u.name.clone())),
+        }
+    }
+    Ok(out)
+}
+
+/// The cases of a shape set for the selected formats; (format, rows, cols, origin).
+fn shape_cases(
+    set: &ShapeSet,
+    formats: &[Format],
+) -> Result<Vec<(Format, usize, usize, String)>, String> {
+    match set {
+        ShapeSet::Default => Ok(cases(formats)),
+        ShapeSet::Dsv4Flash => {
+            let cfg = crate::plan::ModelConfig::from_json_str(
+                "built-in deepseek-v4-flash",
+                DSV4_FLASH_CONFIG,
+            )
+            .map_err(|e| e.to_string())?;
+            model_cases(&cfg, formats)
+        }
+        ShapeSet::Model(dir) => {
+            let cfg = crate::plan::load_config(dir).map_err(|e| e.to_string())?;
+            model_cases(&cfg, formats)
+        }
+    }
+}
+
 /// The cases: DeepSeek V4 Flash expert shapes and the fixture's shapes, for
 /// each selected format this build specialised; (format, rows, cols, origin).
 fn cases(formats: &[Format]) -> Vec<(Format, usize, usize, String)> {
@@ -339,16 +423,23 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
         );
     }
     // (format, rows, cols, origin, fp4×q8)
-    let mut all: Vec<(Format, usize, usize, String, bool)> = cases(&opts.formats)
-        .into_iter()
-        .map(|(f, r, c, o)| (f, r, c, o, false))
-        .collect();
+    let mut all: Vec<(Format, usize, usize, String, bool)> =
+        shape_cases(&opts.shapes, &opts.formats)?
+            .into_iter()
+            .map(|(f, r, c, o)| (f, r, c, o, false))
+            .collect();
     if opts.fp4_q8 {
         all.extend(
-            cases(&[Format::Fp4])
+            shape_cases(&opts.shapes, &[Format::Fp4])?
                 .into_iter()
                 .map(|(f, r, c, o)| (f, r, c, o, true)),
         );
+    }
+    if all.is_empty() {
+        return Err(format!(
+            "no matrix to time: the shape set ({:?}) has none in the formats asked for",
+            opts.shapes
+        ));
     }
     let cases = all;
     let total = cases.len() * variants.len() * 2 * thread_counts.len() * 2;

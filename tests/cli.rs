@@ -161,6 +161,72 @@ fn bench_kernels_quick_json_plot_and_compare() {
     }
 }
 
+/// `bench kernels --model DIR` times that model's shapes; `--shapes
+/// dsv4-flash` every matrix of the built-in Flash config.
+#[test]
+fn bench_kernels_shape_sets() {
+    let path =
+        std::env::temp_dir().join(format!("bespoke-bench-shapes-{}.json", std::process::id()));
+    let p = path.to_str().unwrap();
+    let shapes = |args: &[&str]| {
+        let mut a = vec!["bench", "kernels", "--quick", "--threads", "1", "--json", p];
+        a.extend_from_slice(args);
+        let (ok, _, err) = run(&a);
+        assert!(ok, "{err}");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let mut s: Vec<(String, u64, u64)> = v["kernels"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|k| {
+                (
+                    k["format"].as_str().unwrap().to_string(),
+                    k["rows"].as_u64().unwrap(),
+                    k["cols"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        s.sort();
+        s.dedup();
+        (s, err)
+    };
+    // tiny-qwen3: hidden 64, vocab 512, BF16
+    let (s, _) = shapes(&["--model", "fixtures/tiny-qwen3", "--formats", "bf16"]);
+    assert!(s.iter().all(|(f, _, _)| f == "bf16"), "{s:?}");
+    assert!(s.contains(&("bf16".into(), 512, 64)), "the LM head: {s:?}");
+    assert!(
+        !s.iter().any(|(_, r, c)| (*r, *c) == (2048, 4096)),
+        "no Flash shapes: {s:?}"
+    );
+    let (s, _) = shapes(&["--shapes", "dsv4-flash", "--formats", "f32"]);
+    assert_eq!(s, vec![("f32".into(), 4, 16384), ("f32".into(), 24, 16384)]);
+    let (_, err) = shapes(&["--shapes", "dsv4-flash", "--formats", "f32,bf16"]);
+    assert!(
+        err.contains("skipped head") && err.contains("129280"),
+        "{err}"
+    );
+    let (ok, _, err) = run(&[
+        "bench",
+        "kernels",
+        "--quick",
+        "--model",
+        "/nonexistent-model",
+    ]);
+    assert!(!ok && err.contains("/nonexistent-model"), "{err}");
+    let (ok, _, err) = run(&[
+        "bench",
+        "kernels",
+        "--quick",
+        "--shapes",
+        "dsv4-flash",
+        "--model",
+        "fixtures/tiny-llama",
+    ]);
+    assert!(!ok && err.contains("cannot be used with"), "{err}");
+    std::fs::remove_file(&path).ok();
+}
+
 #[test]
 fn help_explains_the_commands() {
     let (ok, out, _) = run(&["--help"]);

@@ -144,6 +144,16 @@ enum BenchWhat {
         /// Also write the results as JSON to FILE.
         #[arg(long, value_name = "FILE")]
         json: Option<PathBuf>,
+        /// Time every matrix of this model (a directory or its config.json)
+        /// instead of the default set; specialised where the build made a
+        /// kernel for the shape, else generic only.
+        #[arg(long, value_name = "DIR", conflicts_with = "shapes")]
+        model: Option<PathBuf>,
+        /// A built-in shape set instead of the default one: `dsv4-flash`
+        /// (every matrix of DeepSeek V4 Flash, from its config.json). The
+        /// default set is the Flash expert shapes plus the fixtures' shapes.
+        #[arg(long, value_name = "SET", value_parser = ["dsv4-flash"])]
+        shapes: Option<String>,
         /// Also draw specialised vs generic GB/s per kernel, ISA, thread count
         /// and residency, with the read bandwidth marked, as an SVG chart.
         #[arg(long, value_name = "FILE.svg")]
@@ -271,6 +281,8 @@ fn run(cli: Cli) -> Result<(), String> {
                     quick,
                     json,
                     plot,
+                    model,
+                    shapes,
                     formats,
                 },
         } => {
@@ -287,11 +299,17 @@ fn run(cli: Cli) -> Result<(), String> {
                     format!("--formats: unknown format {s:?} (f32, bf16, fp8, fp4, fp4q8)")
                 })?);
             }
+            let shapes = match (model, shapes.as_deref()) {
+                (Some(dir), _) => bench::ShapeSet::Model(dir),
+                (None, Some("dsv4-flash")) => bench::ShapeSet::Dsv4Flash,
+                _ => bench::ShapeSet::Default,
+            };
             let opts = bench::Options {
                 threads: n,
                 quick,
                 formats,
                 fp4_q8,
+                shapes,
             };
             let results = bench::kernels(&opts)?;
             if let Some(path) = json {
