@@ -491,12 +491,19 @@ impl Kernels {
             y.len(),
         )?;
         let k = self.q8_kernel(m.rows, m.cols);
-        let mut a = Q8Act::default();
-        for (xt, yt) in x.chunks_exact(m.cols).zip(y.chunks_exact_mut(m.rows)) {
-            a.quantize_from(xt)?;
-            self.matvec_q8_with(k, m, &a, yt)?;
+        // One buffer per thread, reused across calls (decode calls this for
+        // every FP4 matrix of every token).
+        thread_local! {
+            static ACT: std::cell::RefCell<Q8Act> = std::cell::RefCell::new(Q8Act::default());
         }
-        Ok(())
+        ACT.with(|a| {
+            let mut a = a.borrow_mut();
+            for (xt, yt) in x.chunks_exact(m.cols).zip(y.chunks_exact_mut(m.rows)) {
+                a.quantize_from(xt)?;
+                self.matvec_q8_with(k, m, &a, yt)?;
+            }
+            Ok(())
+        })
     }
 
     /// The kernel for a matrix: specialised on its shape when the build made

@@ -1,0 +1,272 @@
+#!/usr/bin/env bash
+# compare-llamacpp.sh: bespoke vs llama.cpp on this machine, as one ratio table.
+#
+#   tools/compare-llamacpp.sh [--model DIR] [--threads N] [--prompt-len P] [--gen N] [--cache DIR]
+#
+#   --model DIR       HF model directory, BF16 safetensors (default: /tmp/bespoke-bench-llama,
+#                     made by `python3 tools/make_bench_model.py`)
+#   --threads N       thread count for the "all threads" runs (default: physical cores)
+#   --prompt-len P    prompt tokens for prefill (default 128)
+#   --gen N           generated tokens for decode (default 32)
+#   --cache DIR       llama.cpp build, GGUF files, logs, results
+#                     (default: ${BESPOKE_CACHE:-$HOME/.cache/bespoke}/llama.cpp)
+#
+# Environment: BESPOKE_BIN (bespoke binary; default: `cargo build --release` here),
+# PYTHON (interpreter with torch, numpy, transformers for llama.cpp's GGUF converter;
+# default python3), LLAMACPP_SDIST (a local llama-cpp-python sdist; default: PyPI).
+#
+# Once, into the cache: llama.cpp's source from the llama-cpp-python sdist (vendor/llama.cpp),
+# cmake from PyPI in a venv, a Release build of llama-bench and test-backend-ops. Then per run:
+# the model converted to a BF16 GGUF with convert_hf_to_gguf.py (cached), `llama-bench` vs
+# `bespoke bench e2e` (prefill / decode tok/s at 1 and N threads), and `test-backend-ops perf`
+# vs `bespoke bench kernels` (BF16 and MXFP4 matvec GB/s). Prints bespoke / llama.cpp ratios
+# (> 1: bespoke faster) and saves them to $cache/compare-<date>.txt. Not run in CI.
+set -euo pipefail
+
+die() { echo "compare-llamacpp: error: $*" >&2; exit 1; }
+say() { echo "compare-llamacpp: $*" >&2; }
+usage() { sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; }
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+DEFAULT_MODEL=/tmp/bespoke-bench-llama            # tools/make_bench_model.py's --out default
+MODEL=$DEFAULT_MODEL
+THREADS=$(lscpu -p=socket,core 2>/dev/null | grep -v '^#' | sort -u | wc -l)
+PROMPT=128 GEN=32
+CACHE=${BESPOKE_CACHE:-$HOME/.cache/bespoke}/llama.cpp
+PYTHON=${PYTHON:-python3}
+
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --model) MODEL=${2:?--model needs a directory}; shift 2 ;;
+    --threads) THREADS=${2:?--threads needs a number}; shift 2 ;;
+    --prompt-len) PROMPT=${2:?--prompt-len needs a number}; shift 2 ;;
+    --gen) GEN=${2:?--gen needs a number}; shift 2 ;;
+    --cache) CACHE=${2:?--cache needs a directory}; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) usage >&2; die "unknown argument: $1" ;;
+  esac
+done
+[[ $THREADS =~ ^[1-9][0-9]*$ ]] || die "--threads must be a positive integer (got '$THREADS')"
+
+# ---- prerequisites -------------------------------------------------------------------------
+for tool in python3 tar lscpu make c++; do
+  command -v "$tool" >/dev/null || die "'$tool' not found (needed to build llama.cpp / run this script)"
+done
+if [[ ! -f $MODEL/config.json ]]; then
+  [[ $MODEL == "$DEFAULT_MODEL" ]] && die "default model $MODEL not found; make it (~1 GB, needs numpy) with:
+    python3 $REPO/tools/make_bench_model.py --out $MODEL"
+  die "--model $MODEL: no config.json there"
+fi
+MODEL=$(cd "$MODEL" && pwd)
+ls "$MODEL"/*.safetensors >/dev/null 2>&1 || die "--model $MODEL: no *.safetensors files"
+if [[ -z ${BESPOKE_BIN:-} ]]; then
+  command -v cargo >/dev/null || die "cargo not found; install Rust or set BESPOKE_BIN=/path/to/bespoke"
+  say "building bespoke (cargo build --release)"
+  (cd "$REPO" && cargo build --release) || die "cargo build --release failed"
+  BESPOKE_BIN=$REPO/target/release/bespoke
+fi
+[[ -x $BESPOKE_BIN ]] || die "BESPOKE_BIN=$BESPOKE_BIN is not an executable"
+
+mkdir -p "$CACHE"
+CACHE=$(cd "$CACHE" && pwd)
+SRC=$CACHE/src/llama.cpp BUILD=$CACHE/build
+STAMP=$(date +%Y-%m-%d-%H%M%S)
+RUN=$CACHE/runs/$STAMP
+mkdir -p "$RUN"
+# logged NAME CMD...: run CMD with its output in $RUN/NAME.log; on failure show the tail and stop.
+logged() {
+  local name=$1; shift
+  "$@" >"$RUN/$name.log" 2>&1 || { tail -n 25 "$RUN/$name.log" >&2; die "$name failed (log: $RUN/$name.log)"; }
+}
+
+# ---- 1. llama.cpp, built once into the cache ------------------------------------------------
+if [[ ! -f $SRC/CMakeLists.txt ]]; then
+  SDIST=${LLAMACPP_SDIST:-$CACHE/llama-cpp-python.tar.gz}
+  if [[ -n ${LLAMACPP_SDIST:-} ]]; then
+    [[ -f $SDIST ]] || die "LLAMACPP_SDIST=$SDIST does not exist"
+  elif [[ ! -f $SDIST ]]; then
+    say "downloading the llama-cpp-python sdist from PyPI (~76 MB)"
+    python3 - "$SDIST" <<'EOF' || die "could not download the llama-cpp-python sdist from PyPI (set LLAMACPP_SDIST=path)"
+import hashlib, json, sys, urllib.parse, urllib.request
+api = "https://pypi.org/pypi/llama-cpp-python/json"
+sdist = [u for u in json.load(urllib.request.urlopen(api, timeout=60))["urls"] if u["packagetype"] == "sdist"][0]
+url = urllib.parse.urljoin(api, sdist["url"])          # the url may be relative (../../packages/...)
+print("  " + url, file=sys.stderr)
+urllib.request.urlretrieve(url, sys.argv[1] + ".part")
+if hashlib.sha256(open(sys.argv[1] + ".part", "rb").read()).hexdigest() != sdist["digests"]["sha256"]:
+    sys.exit("sha256 mismatch")
+import os; os.replace(sys.argv[1] + ".part", sys.argv[1])
+EOF
+  fi
+  say "extracting vendor/llama.cpp from $SDIST"
+  tmp=$(mktemp -d "$CACHE/extract.XXXXXX")
+  tar -xzf "$SDIST" -C "$tmp" --wildcards '*/vendor/llama.cpp/*' '*/PKG-INFO' || die "$SDIST: no vendor/llama.cpp inside"
+  top=$(find "$tmp" -mindepth 1 -maxdepth 1 -type d | head -n 1)
+  # The sdist keeps the submodule's git metadata: its HEAD is the llama.cpp commit.
+  commit=$(head -c 40 "$top/.git/modules/vendor/llama.cpp/HEAD" 2>/dev/null || echo unknown)
+  pyver=$(sed -n 's/^Version: //p' "$top/PKG-INFO" | head -n 1)
+  echo "llama.cpp ${commit:0:7} (vendored in llama-cpp-python $pyver)" >"$CACHE/version"
+  mkdir -p "$CACHE/src" && rm -rf "$SRC" && mv "$top/vendor/llama.cpp" "$SRC" && rm -rf "$tmp"
+  rm -f "$SRC/.git"                                  # a gitfile pointing outside the tree
+fi
+VERSION=$(cat "$CACHE/version" 2>/dev/null || echo "llama.cpp (unknown version)")
+LLAMA_BENCH=$BUILD/bin/llama-bench TBO=$BUILD/bin/test-backend-ops
+if [[ ! -x $LLAMA_BENCH || ! -x $TBO ]]; then
+  if [[ ! -x $CACHE/venv/bin/cmake ]]; then
+    say "installing cmake from PyPI into $CACHE/venv"
+    python3 -m venv "$CACHE/venv" || die "python3 -m venv failed (on Debian/Ubuntu: apt-get install python3-venv)"
+    logged pip-cmake "$CACHE/venv/bin/pip" install cmake
+  fi
+  commit=$(awk '{print $2}' "$CACHE/version")
+  say "building $VERSION: llama-bench, test-backend-ops (several minutes; log: $CACHE/build.log)"
+  { "$CACHE/venv/bin/cmake" -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+      -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_COMMIT="$commit" &&
+    "$CACHE/venv/bin/cmake" --build "$BUILD" --config Release -j"$(nproc)" --target llama-bench test-backend-ops
+  } >"$CACHE/build.log" 2>&1 || { tail -n 25 "$CACHE/build.log" >&2; die "llama.cpp build failed (log: $CACHE/build.log)"; }
+fi
+
+# ---- 2. the model as a BF16 GGUF, converted by llama.cpp's own converter (cached) -----------
+NAME=$(basename "$MODEL")
+GGUF=$CACHE/models/$NAME-bf16.gguf
+if [[ ! -f $GGUF ]] || [[ -n $(find "$MODEL" -maxdepth 1 \( -name '*.safetensors' -o -name config.json \) -newer "$GGUF") ]]; then
+  "$PYTHON" -c 'import torch, numpy, transformers' 2>/dev/null ||
+    die "PYTHON=$PYTHON cannot import torch, numpy and transformers (convert_hf_to_gguf.py needs them); set PYTHON=/path/to/python"
+  # Small converter dependencies missing from $PYTHON go to $CACHE/pydeps, not into its environment.
+  export PYTHONPATH=$SRC/gguf-py:$CACHE/pydeps${PYTHONPATH:+:$PYTHONPATH}
+  for dep in sentencepiece:sentencepiece yaml:pyyaml tqdm:tqdm; do
+    "$PYTHON" -c "import ${dep%%:*}" 2>/dev/null || logged "pip-${dep#*:}" "$PYTHON" -m pip install --target "$CACHE/pydeps" "${dep#*:}"
+  done
+  # Convert from a staging directory of links; a model without a tokenizer (the bench model)
+  # gets a synthetic Llama-style one there, sized to vocab_size (llama-bench feeds random ids).
+  HF=$CACHE/models/$NAME.hf
+  rm -rf "$HF" && mkdir -p "$HF" && ln -s "$MODEL"/* "$HF"/
+  if [[ ! -e $HF/tokenizer.json && ! -e $HF/tokenizer.model ]]; then
+    say "$MODEL has no tokenizer: writing a synthetic one for the conversion"
+    python3 - "$HF" <<'EOF'
+import json, os, sys
+d, sp = sys.argv[1], "\u2581"
+n = json.load(open(os.path.join(d, "config.json")))["vocab_size"]
+vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+vocab.update({f"{sp}t{i}": i for i in range(len(vocab), n)})
+special = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+            "normalized": False, "special": True} for t, i in list(vocab.items())[:3]]
+json.dump({"version": "1.0", "truncation": None, "padding": None, "added_tokens": special,
+           "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": sp},
+                          {"type": "Replace", "pattern": {"String": " "}, "content": sp}]},
+           "pre_tokenizer": None, "post_processor": None,
+           "decoder": {"type": "Sequence", "decoders": [
+               {"type": "Replace", "pattern": {"String": sp}, "content": " "}, {"type": "ByteFallback"},
+               {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+           "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                     "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True,
+                     "vocab": vocab, "merges": []}}, open(os.path.join(d, "tokenizer.json"), "w"))
+json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+           "unk_token": "<unk>"}, open(os.path.join(d, "tokenizer_config.json"), "w"))
+EOF
+  fi
+  say "converting $MODEL to $GGUF (BF16)"
+  logged convert "$PYTHON" "$SRC/convert_hf_to_gguf.py" "$HF" --outtype bf16 --outfile "$GGUF.part"
+  mv "$GGUF.part" "$GGUF"
+fi
+
+# ---- 3. whole model: llama-bench vs bespoke bench e2e ---------------------------------------
+TLIST=1; [[ $THREADS -gt 1 ]] && TLIST=1,$THREADS
+say "llama-bench: -p $PROMPT -n $GEN -t $TLIST"
+"$LLAMA_BENCH" -m "$GGUF" -p "$PROMPT" -n "$GEN" -t "$TLIST" -o json >"$RUN/llama-bench.json" 2>"$RUN/llama-bench.log" ||
+  { tail -n 25 "$RUN/llama-bench.log" >&2; die "llama-bench failed (log: $RUN/llama-bench.log)"; }
+say "bespoke bench e2e: --prompt-len $PROMPT --gen $GEN --threads $THREADS"
+logged bespoke-e2e "$BESPOKE_BIN" bench e2e --model "$MODEL" --prompt-len "$PROMPT" --gen "$GEN" \
+  --threads "$THREADS" --json "$RUN/bespoke-e2e.json"
+
+# ---- 4. kernels: test-backend-ops perf vs bespoke bench kernels ------------------------------
+# test-backend-ops runs the CPU backend at hardware_concurrency/2 threads (fixed in its main()),
+# so bespoke's kernels are timed at that count too.
+KT=$(( $(nproc) / 2 )); [[ $KT -ge 1 ]] || KT=1
+say "bespoke bench kernels: --formats bf16,fp4 --threads $KT"
+logged bespoke-kernels "$BESPOKE_BIN" bench kernels --formats bf16,fp4 --threads "$KT" --json "$RUN/bespoke-kernels.json"
+# llama.cpp's own matvec perf cases (n=1) for BF16 and MXFP4: other shapes than bespoke's.
+say "test-backend-ops perf: built-in MUL_MAT cases, bf16 and mxfp4, n=1"
+logged tbo-builtin "$TBO" perf -b CPU -o MUL_MAT --output sql -p 'type_a=(bf16|mxfp4),type_b=f32,m=[0-9]+,n=1,k=[0-9]+,bs=\[1,1\]'
+# The same shapes as bespoke's, through --test-file (one MUL_MAT per line: op, type, ne, params, srcs).
+if [[ $("$TBO" --help 2>&1 || true) == *--test-file* ]]; then
+  python3 - "$RUN/bespoke-kernels.json" "$SRC/ggml/include/ggml.h" >"$RUN/shapes.txt" <<'EOF'
+import json, re, sys
+h = open(sys.argv[2]).read()
+ops = re.findall(r"\b(GGML_OP_\w+)", h[h.index("enum ggml_op {"):].split("};")[0])
+types = {k: int(v) for k, v in re.findall(r"GGML_TYPE_(\w+)\s*=\s*(\d+)", h)}
+blk = {"BF16": (1, 2), "MXFP4": (32, 17)}  # (block size, bytes per block)
+seen = set()
+for c in json.load(open(sys.argv[1]))["kernels"]:
+    t = {"bf16": "BF16", "fp4": "MXFP4"}.get(c["format"])
+    m, k = c["rows"], c["cols"]
+    if t is None or (t, m, k) in seen or k % blk[t][0]:
+        continue
+    seen.add((t, m, k))
+    row = k // blk[t][0] * blk[t][1]
+    print(ops.index("GGML_OP_MUL_MAT"), types["F32"], m, 1, 1, 1, 0, 2,
+          types[t], k, m, 1, 1, blk[t][1], row, row * m, row * m,
+          types["F32"], k, 1, 1, 1, 4, 4 * k, 4 * k, 4 * k, f"{t.lower()}_{m}x{k}")
+EOF
+  say "test-backend-ops perf: bespoke's shapes ($(wc -l <"$RUN/shapes.txt") cases)"
+  logged tbo-shapes "$TBO" perf -b CPU --output sql --test-file "$RUN/shapes.txt"
+else
+  say "this test-backend-ops has no --test-file: comparing GB/s per type only"; : >"$RUN/tbo-shapes.log"
+fi
+
+# ---- 5. the ratio table -----------------------------------------------------------------------
+CPU=$(lscpu | sed -n 's/^Model name: *//p' | head -n 1)
+python3 - "$RUN" "$KT" "$THREADS" "$VERSION" "$CPU" "$("$BESPOKE_BIN" --version)" <<'EOF' | tee "$CACHE/compare-$STAMP.txt"
+import json, re, sys
+run, kt, threads, version, cpu, bver = sys.argv[1], int(sys.argv[2]), *sys.argv[3:]
+e2e, lb = json.load(open(f"{run}/bespoke-e2e.json")), json.load(open(f"{run}/llama-bench.json"))
+bk = json.load(open(f"{run}/bespoke-kernels.json"))["kernels"]
+rows = []                                                  # (label, bespoke, llama.cpp)
+for r in sorted(e2e["runs"], key=lambda r: r["threads"]):
+    t = r["threads"]
+    pick = lambda p, g: next((x["avg_ts"] for x in lb if x["n_threads"] == t and bool(x["n_prompt"]) == p
+                              and bool(x["n_gen"]) == g), None)
+    rows += [(f"prefill tok/s, {t} thread(s)", r["prefill_tok_s"], pick(True, False)),
+             (f"decode tok/s, {t} thread(s)", r["decode_tok_s"], pick(False, True))]
+
+def perf(name):  # test-backend-ops --output sql -> [(type, m, k, weight GB/s)]
+    out = []
+    for line in open(f"{run}/{name}.log"):
+        s = re.match(r"INSERT INTO \w+ \((.*?)\) VALUES \('(.*)'\);$", line.strip())
+        rec = dict(zip(s.group(1).split(", "), s.group(2).split("', '"))) if s else {}
+        if rec.get("supported") != "1" or float(rec["time_us"]) <= 0:
+            continue
+        p = re.search(r"name=([a-z0-9]+)_(\d+)x(\d+)|type_a=(\w+),type_b=f32,m=(\d+),n=1,k=(\d+)", rec["op_params"])
+        t, m, k = [g for g in p.groups() if g is not None]
+        m, k = int(m), int(k)
+        out.append((t, m, k, m * k * (2 if t == "bf16" else 17 / 32) / float(rec["time_us"]) / 1e3))
+    return out
+
+def bespoke(fmt, res, shape=None):  # best ISA, specialised kernel where the build has one
+    c = [x for x in bk if x["format"] == fmt and x["threads"] == kt and x["residency"] == res
+         and (shape is None or (x["rows"], x["cols"]) == shape)]
+    c = [x for x in c if x["kernel"] == "specialised"] or c
+    return max(c, key=lambda x: x["gb_per_s"], default=None)
+
+names = {"bf16": ("bf16", "BF16"), "mxfp4": ("fp4", "FP4 vs MXFP4")}
+for t, m, k, gb in perf("tbo-shapes"):                     # same shape, weights cache-resident
+    b = bespoke(names[t][0], "cache", (m, k))
+    rows.append((f"{names[t][1]} matvec GB/s {m}x{k}, {kt}t", b and b["gb_per_s"], gb))
+for t, m, k, gb in perf("tbo-builtin"):                    # other shapes: GB/s per type
+    b = bespoke(names[t][0], "stream")
+    rows.append((f"{names[t][1]} GB/s {b['rows']}x{b['cols']} vs {m}x{k}*, {kt}t" if b else t, b and b["gb_per_s"], gb))
+
+f = lambda v: f"{v:10.2f}" if v else "         -"
+print(f"machine:   {cpu}, {threads} threads for the e2e runs, {kt} for the kernels")
+print(f"llama.cpp: {version}, BF16 GGUF; bespoke: {bver}, kernels {e2e['kernels']}, "
+      f"{e2e['specialised_matrices'][0]}/{e2e['specialised_matrices'][1]} matrix shapes specialised")
+print(f"model:     {e2e['model']}, prompt {e2e['prompt_len']}, gen {e2e['gen']}\n")
+print(f"{'metric':<44} {'bespoke':>10} {'llama.cpp':>10} {'ratio':>7}")
+for label, b, l in rows:
+    print(f"{label:<44} {f(b)} {f(l)} {b / l if b and l else float('nan'):7.2f}")
+print("\nratio = bespoke / llama.cpp (> 1: bespoke faster). GB/s = weight bytes read per matvec / time;")
+print("same-shape rows: test-backend-ops --test-file at bespoke's shapes, weights cache-resident in both;")
+print("* rows: llama.cpp's own perf shape differs from bespoke's, so GB/s per type is compared")
+print("  (bespoke: its fastest streamed-from-memory shape). llama.cpp times the activation")
+print("  conversion (to bf16 / q8_0) inside the op; bespoke's fp4 kernels take f32 activations.")
+EOF
+say "saved $CACHE/compare-$STAMP.txt (raw outputs: $RUN)"
