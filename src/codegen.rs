@@ -174,9 +174,6 @@ pub fn build() -> BuildResult<()> {
     let target = env::var("TARGET").unwrap_or_default();
     declare_inputs(&root)?;
     let models = load_models(&root)?;
-    let isas = isas_for_target(&arch);
-    let mut the_plan: Plan =
-        plan::plan(&models, isas.clone(), &target).map_err(|e| e.to_string())?;
     let host_arch = env::var("HOST")
         .unwrap_or_default()
         .split('-')
@@ -187,12 +184,21 @@ pub fn build() -> BuildResult<()> {
     let features_line = cpuinfo
         .as_deref()
         .and_then(|c| c.lines().find(|l| l.starts_with("Features")));
-    the_plan.cpu = plan::cpu_preset(
+    let cpu = plan::cpu_preset(
         env_opt("BESPOKE_CPU").as_deref(),
         &arch,
         &host_arch,
         features_line,
     )?;
+    let mut isas = isas_for_target(&arch);
+    // A preset that tunes NEON for extensions gets a baseline NEON variant
+    // beside it, for cores without them.
+    if isas.contains(&Isa::Neon) && cpu.as_ref().is_some_and(|c| !c.features.is_empty()) {
+        isas.push(Isa::NeonBase);
+    }
+    let mut the_plan: Plan =
+        plan::plan(&models, isas.clone(), &target).map_err(|e| e.to_string())?;
+    the_plan.cpu = cpu;
     if let Some(c) = &the_plan.cpu {
         if let Some(sm) = &c.cuda_arch {
             the_plan.notes.push(format!(

@@ -119,7 +119,7 @@ pub enum KernelError {
     },
     #[error("{0}")]
     Shape(String),
-    #[error("BESPOKE_KERNELS={0:?} is not a kernel variant; expected one of: scalar, avx2, avx512, neon (or auto)")]
+    #[error("BESPOKE_KERNELS={0:?} is not a kernel variant; expected one of: scalar, avx2, avx512, neon, neon_base (or auto)")]
     UnknownVariant(String),
     #[error("the {isa} kernels were not compiled into this binary (compiled: {compiled}); rebuild with the `{isa}` feature on a target that has it")]
     NotCompiled { isa: Isa, compiled: String },

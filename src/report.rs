@@ -94,7 +94,7 @@ pub fn variants_report(
     }
     writeln!(
         out,
-        "(BESPOKE_KERNELS=scalar|avx2|avx512|neon forces one variant)"
+        "(BESPOKE_KERNELS=scalar|avx2|avx512|neon|neon_base forces one variant)"
     )
     .unwrap();
     writeln!(
@@ -137,9 +137,14 @@ pub fn build_report(p: &Plan) -> String {
         };
         writeln!(
             out,
-            "CPU preset (BESPOKE_CPU): {} — the neon variant is built with {} and needs {extra}",
+            "CPU preset (BESPOKE_CPU): {} — the neon variant is built with {} and needs {extra}{}",
             c.name,
-            c.cflags.join(" ")
+            c.cflags.join(" "),
+            if c.features.is_empty() {
+                ""
+            } else {
+                "; neon_base (baseline NEON) is there for cores without those"
+            }
         )
         .unwrap();
     }

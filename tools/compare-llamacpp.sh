@@ -1,31 +1,28 @@
 #!/usr/bin/env bash
-# compare-llamacpp.sh: bespoke vs llama.cpp on this machine, as one ratio table.
+# compare-llamacpp.sh: bespoke vs llama.cpp on this machine, as one ratio table (not run in CI).
 #
 #   tools/compare-llamacpp.sh [--model DIR] [--threads N] [--prompt-len P] [--gen N] [--cache DIR]
 #
-#   --model DIR       HF model directory, BF16 safetensors (default: /tmp/bespoke-bench-llama,
-#                     made by `python3 tools/make_bench_model.py`)
-#   --threads N       thread count for the "all threads" runs (default: physical cores)
-#   --prompt-len P    prompt tokens for prefill (default 128)
-#   --gen N           generated tokens for decode (default 32)
-#   --cache DIR       llama.cpp build, GGUF files, logs, results
-#                     (default: ${BESPOKE_CACHE:-$HOME/.cache/bespoke}/llama.cpp)
+#   --model DIR      HF checkpoint with BF16 safetensors (default /tmp/bespoke-bench-llama,
+#                    made by `python3 tools/make_bench_model.py`)
+#   --threads N      threads for the "all threads" runs (default: physical cores)
+#   --prompt-len P   prompt tokens (default 128)        --gen N   generated tokens (default 32)
+#   --cache DIR      llama.cpp build, GGUFs, logs, results (default ${BESPOKE_CACHE:-~/.cache/bespoke}/llama.cpp)
 #
-# Environment: BESPOKE_BIN (bespoke binary; default: `cargo build --release` here),
-# PYTHON (interpreter with torch, numpy, transformers for llama.cpp's GGUF converter;
-# default python3), LLAMACPP_SDIST (a local llama-cpp-python sdist; default: PyPI).
+# Environment: BESPOKE_BIN (default: `cargo build --release`, target/release/bespoke), PYTHON
+# (has torch, numpy, transformers for llama.cpp's GGUF converter; default python3),
+# LLAMACPP_SDIST (a llama-cpp-python sdist already on disk; default: download from PyPI).
 #
-# Once, into the cache: llama.cpp's source from the llama-cpp-python sdist (vendor/llama.cpp),
-# cmake from PyPI in a venv, a Release build of llama-bench and test-backend-ops. Then per run:
-# the model converted to a BF16 GGUF with convert_hf_to_gguf.py (cached), `llama-bench` vs
-# `bespoke bench e2e` (prefill / decode tok/s at 1 and N threads), and `test-backend-ops perf`
-# vs `bespoke bench kernels` (BF16 and MXFP4 matvec GB/s). Prints bespoke / llama.cpp ratios
-# (> 1: bespoke faster) and saves them to $cache/compare-<date>.txt. Not run in CI.
+# Once: llama.cpp from the llama-cpp-python sdist (vendor/llama.cpp), cmake from PyPI in a venv,
+# a native Release build of llama-bench and test-backend-ops, all in the cache. Each run: the
+# model as a BF16 GGUF (convert_hf_to_gguf.py, cached), llama-bench vs `bespoke bench e2e`
+# (prefill/decode tok/s), test-backend-ops perf vs `bespoke bench kernels` (BF16, MXFP4 matvec
+# GB/s); prints bespoke / llama.cpp ratios and saves them to $cache/compare-<date>.txt.
 set -euo pipefail
 
 die() { echo "compare-llamacpp: error: $*" >&2; exit 1; }
 say() { echo "compare-llamacpp: $*" >&2; }
-usage() { sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; }
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DEFAULT_MODEL=/tmp/bespoke-bench-llama            # tools/make_bench_model.py's --out default
@@ -49,9 +46,7 @@ done
 [[ $THREADS =~ ^[1-9][0-9]*$ ]] || die "--threads must be a positive integer (got '$THREADS')"
 
 # ---- prerequisites -------------------------------------------------------------------------
-for tool in python3 tar lscpu make c++; do
-  command -v "$tool" >/dev/null || die "'$tool' not found (needed to build llama.cpp / run this script)"
-done
+for tool in python3 tar lscpu make c++; do command -v $tool >/dev/null || die "'$tool' not found (needed here)"; done
 if [[ ! -f $MODEL/config.json ]]; then
   [[ $MODEL == "$DEFAULT_MODEL" ]] && die "default model $MODEL not found; make it (~1 GB, needs numpy) with:
     python3 $REPO/tools/make_bench_model.py --out $MODEL"
@@ -67,12 +62,9 @@ if [[ -z ${BESPOKE_BIN:-} ]]; then
 fi
 [[ -x $BESPOKE_BIN ]] || die "BESPOKE_BIN=$BESPOKE_BIN is not an executable"
 
-mkdir -p "$CACHE"
-CACHE=$(cd "$CACHE" && pwd)
-SRC=$CACHE/src/llama.cpp BUILD=$CACHE/build
-STAMP=$(date +%Y-%m-%d-%H%M%S)
-RUN=$CACHE/runs/$STAMP
-mkdir -p "$RUN"
+mkdir -p "$CACHE" && CACHE=$(cd "$CACHE" && pwd)
+SRC=$CACHE/src/llama.cpp BUILD=$CACHE/build STAMP=$(date +%Y-%m-%d-%H%M%S)
+RUN=$CACHE/runs/$STAMP && mkdir -p "$RUN"
 # logged NAME CMD...: run CMD with its output in $RUN/NAME.log; on failure show the tail and stop.
 logged() {
   local name=$1; shift
@@ -105,11 +97,10 @@ EOF
   # The sdist keeps the submodule's git metadata: its HEAD is the llama.cpp commit.
   commit=$(head -c 40 "$top/.git/modules/vendor/llama.cpp/HEAD" 2>/dev/null || echo unknown)
   pyver=$(sed -n 's/^Version: //p' "$top/PKG-INFO" | head -n 1)
-  echo "llama.cpp ${commit:0:7} (vendored in llama-cpp-python $pyver)" >"$CACHE/version"
+  echo "${commit:0:7} llama-cpp-python $pyver" >"$CACHE/version"
   mkdir -p "$CACHE/src" && rm -rf "$SRC" && mv "$top/vendor/llama.cpp" "$SRC" && rm -rf "$tmp"
   rm -f "$SRC/.git"                                  # a gitfile pointing outside the tree
 fi
-VERSION=$(cat "$CACHE/version" 2>/dev/null || echo "llama.cpp (unknown version)")
 LLAMA_BENCH=$BUILD/bin/llama-bench TBO=$BUILD/bin/test-backend-ops
 if [[ ! -x $LLAMA_BENCH || ! -x $TBO ]]; then
   if [[ ! -x $CACHE/venv/bin/cmake ]]; then
@@ -117,13 +108,15 @@ if [[ ! -x $LLAMA_BENCH || ! -x $TBO ]]; then
     python3 -m venv "$CACHE/venv" || die "python3 -m venv failed (on Debian/Ubuntu: apt-get install python3-venv)"
     logged pip-cmake "$CACHE/venv/bin/pip" install cmake
   fi
-  commit=$(awk '{print $2}' "$CACHE/version")
-  say "building $VERSION: llama-bench, test-backend-ops (several minutes; log: $CACHE/build.log)"
+  commit=$(cut -d' ' -f1 "$CACHE/version")
+  say "building llama.cpp $commit: llama-bench, test-backend-ops (several minutes; log: $CACHE/build.log)"
   { "$CACHE/venv/bin/cmake" -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
       -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_COMMIT="$commit" &&
     "$CACHE/venv/bin/cmake" --build "$BUILD" --config Release -j"$(nproc)" --target llama-bench test-backend-ops
   } >"$CACHE/build.log" 2>&1 || { tail -n 25 "$CACHE/build.log" >&2; die "llama.cpp build failed (log: $CACHE/build.log)"; }
 fi
+
+VERSION="$("$LLAMA_BENCH" --version 2>&1 | sed -n 's/^version: //p'), from the $(cut -d' ' -f2- "$CACHE/version") sdist"
 
 # ---- 2. the model as a BF16 GGUF, converted by llama.cpp's own converter (cached) -----------
 NAME=$(basename "$MODEL")
@@ -147,19 +140,16 @@ import json, os, sys
 d, sp = sys.argv[1], "\u2581"
 n = json.load(open(os.path.join(d, "config.json")))["vocab_size"]
 vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
-vocab.update({f"{sp}t{i}": i for i in range(len(vocab), n)})
+vocab.update({f"{sp}t{i}": i for i in range(len(vocab), n)})    # byte-fallback BPE, no merges
 special = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
             "normalized": False, "special": True} for t, i in list(vocab.items())[:3]]
-json.dump({"version": "1.0", "truncation": None, "padding": None, "added_tokens": special,
-           "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": sp},
-                          {"type": "Replace", "pattern": {"String": " "}, "content": sp}]},
-           "pre_tokenizer": None, "post_processor": None,
-           "decoder": {"type": "Sequence", "decoders": [
-               {"type": "Replace", "pattern": {"String": sp}, "content": " "}, {"type": "ByteFallback"},
-               {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
-           "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
-                     "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True,
-                     "vocab": vocab, "merges": []}}, open(os.path.join(d, "tokenizer.json"), "w"))
+json.dump({"version": "1.0", "added_tokens": special, "normalizer": {"type": "Sequence", "normalizers": [
+    {"type": "Prepend", "prepend": sp}, {"type": "Replace", "pattern": {"String": " "}, "content": sp}]},
+    "pre_tokenizer": None, "post_processor": None, "decoder": {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": sp}, "content": " "}, {"type": "ByteFallback"},
+        {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+    "model": {"type": "BPE", "unk_token": "<unk>", "fuse_unk": True, "byte_fallback": True,
+              "vocab": vocab, "merges": []}}, open(os.path.join(d, "tokenizer.json"), "w"))
 json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
            "unk_token": "<unk>"}, open(os.path.join(d, "tokenizer_config.json"), "w"))
 EOF
@@ -171,6 +161,7 @@ fi
 
 # ---- 3. whole model: llama-bench vs bespoke bench e2e ---------------------------------------
 TLIST=1; [[ $THREADS -gt 1 ]] && TLIST=1,$THREADS
+LOAD=$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo unknown)   # other work on the machine skews everything
 say "llama-bench: -p $PROMPT -n $GEN -t $TLIST"
 "$LLAMA_BENCH" -m "$GGUF" -p "$PROMPT" -n "$GEN" -t "$TLIST" -o json >"$RUN/llama-bench.json" 2>"$RUN/llama-bench.log" ||
   { tail -n 25 "$RUN/llama-bench.log" >&2; die "llama-bench failed (log: $RUN/llama-bench.log)"; }
@@ -197,9 +188,8 @@ types = {k: int(v) for k, v in re.findall(r"GGML_TYPE_(\w+)\s*=\s*(\d+)", h)}
 blk = {"BF16": (1, 2), "MXFP4": (32, 17)}  # (block size, bytes per block)
 seen = set()
 for c in json.load(open(sys.argv[1]))["kernels"]:
-    t = {"bf16": "BF16", "fp4": "MXFP4"}.get(c["format"])
-    m, k = c["rows"], c["cols"]
-    if t is None or (t, m, k) in seen or k % blk[t][0]:
+    t, m, k = {"bf16": "BF16", "fp4": "MXFP4"}.get(c["format"]), c["rows"], c["cols"]
+    if t is None or (t, m, k) in seen or m * k < 1 << 20 or k % blk[t][0]:  # not the tiny fixtures
         continue
     seen.add((t, m, k))
     row = k // blk[t][0] * blk[t][1]
@@ -215,9 +205,9 @@ fi
 
 # ---- 5. the ratio table -----------------------------------------------------------------------
 CPU=$(lscpu | sed -n 's/^Model name: *//p' | head -n 1)
-python3 - "$RUN" "$KT" "$THREADS" "$VERSION" "$CPU" "$("$BESPOKE_BIN" --version)" <<'EOF' | tee "$CACHE/compare-$STAMP.txt"
+python3 - "$RUN" "$KT" "$THREADS" "$VERSION" "$CPU" "$("$BESPOKE_BIN" --version)" "$LOAD" <<'EOF' | tee "$CACHE/compare-$STAMP.txt"
 import json, re, sys
-run, kt, threads, version, cpu, bver = sys.argv[1], int(sys.argv[2]), *sys.argv[3:]
+run, kt, threads, version, cpu, bver, load = sys.argv[1], int(sys.argv[2]), *sys.argv[3:]
 e2e, lb = json.load(open(f"{run}/bespoke-e2e.json")), json.load(open(f"{run}/llama-bench.json"))
 bk = json.load(open(f"{run}/bespoke-kernels.json"))["kernels"]
 rows = []                                                  # (label, bespoke, llama.cpp)
@@ -256,9 +246,10 @@ for t, m, k, gb in perf("tbo-builtin"):                    # other shapes: GB/s 
     rows.append((f"{names[t][1]} GB/s {b['rows']}x{b['cols']} vs {m}x{k}*, {kt}t" if b else t, b and b["gb_per_s"], gb))
 
 f = lambda v: f"{v:10.2f}" if v else "         -"
-print(f"machine:   {cpu}, {threads} threads for the e2e runs, {kt} for the kernels")
-print(f"llama.cpp: {version}, BF16 GGUF; bespoke: {bver}, kernels {e2e['kernels']}, "
-      f"{e2e['specialised_matrices'][0]}/{e2e['specialised_matrices'][1]} matrix shapes specialised")
+print(f"machine:   {cpu}, {threads} threads for the e2e runs, {kt} for the kernels; load average {load} at start")
+print(f"llama.cpp: {version}, BF16 GGUF")
+print(f"bespoke:   {bver}, {e2e['kernels']} kernels, "
+      f"{e2e['specialised_matrices'][0]} of {e2e['specialised_matrices'][1]} matrices on specialised kernels")
 print(f"model:     {e2e['model']}, prompt {e2e['prompt_len']}, gen {e2e['gen']}\n")
 print(f"{'metric':<44} {'bespoke':>10} {'llama.cpp':>10} {'ratio':>7}")
 for label, b, l in rows:

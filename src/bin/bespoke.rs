@@ -16,7 +16,7 @@ use std::process::ExitCode;
                   scales, FP4 E2M1 with UE8M0 per-32 scales) for each ISA variant \
                   (scalar, AVX2, AVX-512, NEON), compiles them into this binary, and \
                   dispatches to the best one the CPU supports.\n\n\
-                  Environment: BESPOKE_KERNELS=scalar|avx2|avx512|neon forces a variant; \
+                  Environment: BESPOKE_KERNELS=scalar|avx2|avx512|neon|neon_base forces a variant; \
                   BESPOKE_THREADS=N sets the thread count."
 )]
 struct Cli {

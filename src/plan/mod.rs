@@ -122,9 +122,19 @@ pub enum Isa {
     Avx2,
     Avx512,
     Neon,
+    /// Baseline Armv8.0 NEON, compiled beside `Neon` when a BESPOKE_CPU
+    /// preset tunes that one for extensions (dotprod, fp16, …): what a core
+    /// without them runs instead of falling back to scalar.
+    NeonBase,
 }
 
-pub const ISAS: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon];
+pub const ISAS: [Isa; 5] = [
+    Isa::Scalar,
+    Isa::Avx2,
+    Isa::Avx512,
+    Isa::Neon,
+    Isa::NeonBase,
+];
 
 /// Register tiles: rows of W × columns of X computed together.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -217,6 +227,18 @@ impl Isa {
                 permuted: &[],
                 score: 20,
             },
+            Isa::NeonBase => IsaDesc {
+                isa: self,
+                name: "neon_base",
+                width: 4,
+                registers: 32,
+                cflags: &[],
+                cpu_features: &["neon"],
+                arch: "aarch64",
+                header: "bs_isa_neon.h",
+                permuted: &[],
+                score: 19,
+            },
         }
     }
     pub fn name(self) -> &'static str {
@@ -242,10 +264,10 @@ impl Isa {
             (Isa::Avx512, Op::Matvec, true) => t(4, 1),
             (Isa::Avx512, _, false) => t(4, 4),
             (Isa::Avx512, _, true) => t(2, 4),
-            (Isa::Neon, Op::Matvec, false) => t(4, 1),
-            (Isa::Neon, Op::Matvec, true) => t(2, 1),
-            (Isa::Neon, _, false) => t(2, 2),
-            (Isa::Neon, _, true) => t(1, 2),
+            (Isa::Neon | Isa::NeonBase, Op::Matvec, false) => t(4, 1),
+            (Isa::Neon | Isa::NeonBase, Op::Matvec, true) => t(2, 1),
+            (Isa::Neon | Isa::NeonBase, _, false) => t(2, 2),
+            (Isa::Neon | Isa::NeonBase, _, true) => t(1, 2),
         }
     }
 }
