@@ -86,36 +86,24 @@ fn machine_line(r: &Run) -> String {
     } else {
         text(&r.v, "cpu")
     };
-    let bw: Vec<String> = match r.kind {
-        Kind::Kernels => r.v["bandwidth"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .map(|b| {
-                        format!(
-                            "{}t {:.1} GB/s",
-                            text(b, "threads"),
-                            b["gb_per_s"].as_f64().unwrap_or(f64::NAN)
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default(),
-        Kind::E2e => r.v["runs"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .map(|b| {
-                        format!(
-                            "{}t {:.1} GB/s",
-                            text(b, "threads"),
-                            b["read_gb_per_s"].as_f64().unwrap_or(f64::NAN)
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default(),
+    let (list, field) = match r.kind {
+        Kind::Kernels => ("bandwidth", "gb_per_s"),
+        Kind::E2e => ("runs", "read_gb_per_s"),
     };
+    let bw: Vec<String> = r.v[list]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|b| {
+                    format!(
+                        "{}t {:.1} GB/s",
+                        text(b, "threads"),
+                        b[field].as_f64().unwrap_or(f64::NAN)
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
     format!("{}: {cpu}; read bandwidth {}", r.label, bw.join(", "))
 }
 

@@ -1,23 +1,19 @@
 #!/usr/bin/env bash
-# compare-llamacpp.sh: bespoke vs llama.cpp on this machine, as one ratio table (not run in CI).
+# compare-llamacpp.sh: bespoke vs llama.cpp on this machine, as one ratio table. Not run in CI.
 #
 #   tools/compare-llamacpp.sh [--model DIR] [--threads N] [--prompt-len P] [--gen N] [--cache DIR]
 #
-#   --model DIR      HF checkpoint with BF16 safetensors (default /tmp/bespoke-bench-llama,
-#                    made by `python3 tools/make_bench_model.py`)
-#   --threads N      threads for the "all threads" runs (default: physical cores)
-#   --prompt-len P   prompt tokens (default 128)        --gen N   generated tokens (default 32)
-#   --cache DIR      llama.cpp build, GGUFs, logs, results (default ${BESPOKE_CACHE:-~/.cache/bespoke}/llama.cpp)
+#   --model DIR     HF checkpoint, BF16 safetensors (default /tmp/bespoke-bench-llama: tools/make_bench_model.py)
+#   --threads N     threads for the "all threads" runs (default: physical cores)
+#   --prompt-len P  prompt tokens (default 128)          --gen N   generated tokens (default 32)
+#   --cache DIR     build, GGUFs, logs, results (default ${BESPOKE_CACHE:-~/.cache/bespoke}/llama.cpp)
+# Environment: BESPOKE_BIN (default: `cargo build --release`), PYTHON (has torch, numpy, transformers,
+# for llama.cpp's GGUF converter; default python3), LLAMACPP_SDIST (llama-cpp-python sdist on disk).
 #
-# Environment: BESPOKE_BIN (default: `cargo build --release`, target/release/bespoke), PYTHON
-# (has torch, numpy, transformers for llama.cpp's GGUF converter; default python3),
-# LLAMACPP_SDIST (a llama-cpp-python sdist already on disk; default: download from PyPI).
-#
-# Once: llama.cpp from the llama-cpp-python sdist (vendor/llama.cpp), cmake from PyPI in a venv,
-# a native Release build of llama-bench and test-backend-ops, all in the cache. Each run: the
-# model as a BF16 GGUF (convert_hf_to_gguf.py, cached), llama-bench vs `bespoke bench e2e`
-# (prefill/decode tok/s), test-backend-ops perf vs `bespoke bench kernels` (BF16, MXFP4 matvec
-# GB/s); prints bespoke / llama.cpp ratios and saves them to $cache/compare-<date>.txt.
+# Builds llama.cpp once (vendor/llama.cpp of the llama-cpp-python sdist from PyPI; cmake from PyPI),
+# converts the model with its convert_hf_to_gguf.py (BF16, cached), then times llama-bench against
+# `bespoke bench e2e` and test-backend-ops perf against `bespoke bench kernels`. The table of
+# bespoke / llama.cpp ratios is also saved to $cache/compare-<date>.txt.
 set -euo pipefail
 
 die() { echo "compare-llamacpp: error: $*" >&2; exit 1; }
@@ -46,7 +42,7 @@ done
 [[ $THREADS =~ ^[1-9][0-9]*$ ]] || die "--threads must be a positive integer (got '$THREADS')"
 
 # ---- prerequisites -------------------------------------------------------------------------
-for tool in python3 tar lscpu make c++; do command -v $tool >/dev/null || die "'$tool' not found (needed here)"; done
+for t in python3 tar lscpu make c++; do command -v $t >/dev/null || die "'$t' not found (needed here)"; done
 if [[ ! -f $MODEL/config.json ]]; then
   [[ $MODEL == "$DEFAULT_MODEL" ]] && die "default model $MODEL not found; make it (~1 GB, needs numpy) with:
     python3 $REPO/tools/make_bench_model.py --out $MODEL"
@@ -65,34 +61,31 @@ fi
 mkdir -p "$CACHE" && CACHE=$(cd "$CACHE" && pwd)
 SRC=$CACHE/src/llama.cpp BUILD=$CACHE/build STAMP=$(date +%Y-%m-%d-%H%M%S)
 RUN=$CACHE/runs/$STAMP && mkdir -p "$RUN"
-# logged NAME CMD...: run CMD with its output in $RUN/NAME.log; on failure show the tail and stop.
+# logged NAME CMD...: run CMD, output in $RUN/NAME.log (stdout in $STDOUT if set); on failure show the tail, stop.
 logged() {
-  local name=$1; shift
-  "$@" >"$RUN/$name.log" 2>&1 || { tail -n 25 "$RUN/$name.log" >&2; die "$name failed (log: $RUN/$name.log)"; }
+  local log=$RUN/$1.log; shift; : >"$log"
+  "$@" >>"${STDOUT:-$log}" 2>>"$log" || { tail -n 25 "$log" >&2; die "${log##*/} failed (log: $log)"; }
 }
 
 # ---- 1. llama.cpp, built once into the cache ------------------------------------------------
 if [[ ! -f $SRC/CMakeLists.txt ]]; then
   SDIST=${LLAMACPP_SDIST:-$CACHE/llama-cpp-python.tar.gz}
-  if [[ -n ${LLAMACPP_SDIST:-} ]]; then
-    [[ -f $SDIST ]] || die "LLAMACPP_SDIST=$SDIST does not exist"
-  elif [[ ! -f $SDIST ]]; then
+  [[ -n ${LLAMACPP_SDIST:-} && ! -f $SDIST ]] && die "LLAMACPP_SDIST=$SDIST does not exist"
+  if [[ ! -f $SDIST ]]; then
     say "downloading the llama-cpp-python sdist from PyPI (~76 MB)"
-    python3 - "$SDIST" <<'EOF' || die "could not download the llama-cpp-python sdist from PyPI (set LLAMACPP_SDIST=path)"
+    python3 - "$SDIST" <<'EOF' || die "could not download llama-cpp-python's sdist from PyPI (set LLAMACPP_SDIST)"
 import hashlib, json, sys, urllib.parse, urllib.request
 api = "https://pypi.org/pypi/llama-cpp-python/json"
 sdist = [u for u in json.load(urllib.request.urlopen(api, timeout=60))["urls"] if u["packagetype"] == "sdist"][0]
 url = urllib.parse.urljoin(api, sdist["url"])          # the url may be relative (../../packages/...)
-print("  " + url, file=sys.stderr)
-urllib.request.urlretrieve(url, sys.argv[1] + ".part")
-if hashlib.sha256(open(sys.argv[1] + ".part", "rb").read()).hexdigest() != sdist["digests"]["sha256"]:
-    sys.exit("sha256 mismatch")
-import os; os.replace(sys.argv[1] + ".part", sys.argv[1])
+data = urllib.request.urlopen(url, timeout=600).read()
+if hashlib.sha256(data).hexdigest() != sdist["digests"]["sha256"]: sys.exit("sha256 mismatch: " + url)
+open(sys.argv[1], "wb").write(data)
 EOF
   fi
   say "extracting vendor/llama.cpp from $SDIST"
   tmp=$(mktemp -d "$CACHE/extract.XXXXXX")
-  tar -xzf "$SDIST" -C "$tmp" --wildcards '*/vendor/llama.cpp/*' '*/PKG-INFO' || die "$SDIST: no vendor/llama.cpp inside"
+  tar -xzf "$SDIST" -C "$tmp" --wildcards '*/vendor/llama.cpp/*' '*/PKG-INFO' || die "$SDIST: no vendor/llama.cpp"
   top=$(find "$tmp" -mindepth 1 -maxdepth 1 -type d | head -n 1)
   # The sdist keeps the submodule's git metadata: its HEAD is the llama.cpp commit.
   commit=$(head -c 40 "$top/.git/modules/vendor/llama.cpp/HEAD" 2>/dev/null || echo unknown)
@@ -109,25 +102,28 @@ if [[ ! -x $LLAMA_BENCH || ! -x $TBO ]]; then
     logged pip-cmake "$CACHE/venv/bin/pip" install cmake
   fi
   commit=$(cut -d' ' -f1 "$CACHE/version")
-  say "building llama.cpp $commit: llama-bench, test-backend-ops (several minutes; log: $CACHE/build.log)"
-  { "$CACHE/venv/bin/cmake" -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-      -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_COMMIT="$commit" &&
-    "$CACHE/venv/bin/cmake" --build "$BUILD" --config Release -j"$(nproc)" --target llama-bench test-backend-ops
-  } >"$CACHE/build.log" 2>&1 || { tail -n 25 "$CACHE/build.log" >&2; die "llama.cpp build failed (log: $CACHE/build.log)"; }
+  say "building llama.cpp $commit: llama-bench, test-backend-ops (several minutes; logs in $RUN)"
+  logged cmake-configure "$CACHE/venv/bin/cmake" -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_COMMIT="$commit"
+  logged cmake-build "$CACHE/venv/bin/cmake" --build "$BUILD" --config Release -j"$(nproc)" \
+    --target llama-bench test-backend-ops
 fi
-
-VERSION="$("$LLAMA_BENCH" --version 2>&1 | sed -n 's/^version: //p'), from the $(cut -d' ' -f2- "$CACHE/version") sdist"
+VERSION="$("$LLAMA_BENCH" --version 2>&1 | sed -n 's/^version: //p')"
+VERSION+=", from the $(cut -d' ' -f2- "$CACHE/version") sdist"
 
 # ---- 2. the model as a BF16 GGUF, converted by llama.cpp's own converter (cached) -----------
 NAME=$(basename "$MODEL")
 GGUF=$CACHE/models/$NAME-bf16.gguf
-if [[ ! -f $GGUF ]] || [[ -n $(find "$MODEL" -maxdepth 1 \( -name '*.safetensors' -o -name config.json \) -newer "$GGUF") ]]; then
+NEWER=$([[ ! -f $GGUF ]] ||   # the checkpoint changed since the conversion
+  find "$MODEL" -maxdepth 1 -newer "$GGUF" \( -name '*.safetensors' -o -name config.json \))
+if [[ ! -f $GGUF || -n $NEWER ]]; then
   "$PYTHON" -c 'import torch, numpy, transformers' 2>/dev/null ||
-    die "PYTHON=$PYTHON cannot import torch, numpy and transformers (convert_hf_to_gguf.py needs them); set PYTHON=/path/to/python"
+    die "PYTHON=$PYTHON cannot import torch, numpy, transformers (convert_hf_to_gguf.py needs them): set PYTHON"
   # Small converter dependencies missing from $PYTHON go to $CACHE/pydeps, not into its environment.
-  export PYTHONPATH=$SRC/gguf-py:$CACHE/pydeps${PYTHONPATH:+:$PYTHONPATH}
+  PYPATH=$SRC/gguf-py:$CACHE/pydeps${PYTHONPATH:+:$PYTHONPATH}
   for dep in sentencepiece:sentencepiece yaml:pyyaml tqdm:tqdm; do
-    "$PYTHON" -c "import ${dep%%:*}" 2>/dev/null || logged "pip-${dep#*:}" "$PYTHON" -m pip install --target "$CACHE/pydeps" "${dep#*:}"
+    PYTHONPATH=$PYPATH "$PYTHON" -c "import ${dep%%:*}" 2>/dev/null ||
+      logged "pip-${dep#*:}" "$PYTHON" -m pip install --target "$CACHE/pydeps" "${dep#*:}"
   done
   # Convert from a staging directory of links; a model without a tokenizer (the bench model)
   # gets a synthetic Llama-style one there, sized to vocab_size (llama-bench feeds random ids).
@@ -155,7 +151,8 @@ json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eo
 EOF
   fi
   say "converting $MODEL to $GGUF (BF16)"
-  logged convert "$PYTHON" "$SRC/convert_hf_to_gguf.py" "$HF" --outtype bf16 --outfile "$GGUF.part"
+  PYTHONPATH=$PYPATH logged convert "$PYTHON" "$SRC/convert_hf_to_gguf.py" "$HF" --outtype bf16 \
+    --outfile "$GGUF.part"
   mv "$GGUF.part" "$GGUF"
 fi
 
@@ -163,21 +160,21 @@ fi
 TLIST=1; [[ $THREADS -gt 1 ]] && TLIST=1,$THREADS
 LOAD=$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo unknown)   # other work on the machine skews everything
 say "llama-bench: -p $PROMPT -n $GEN -t $TLIST"
-"$LLAMA_BENCH" -m "$GGUF" -p "$PROMPT" -n "$GEN" -t "$TLIST" -o json >"$RUN/llama-bench.json" 2>"$RUN/llama-bench.log" ||
-  { tail -n 25 "$RUN/llama-bench.log" >&2; die "llama-bench failed (log: $RUN/llama-bench.log)"; }
+STDOUT=$RUN/llama-bench.json logged llama-bench "$LLAMA_BENCH" -m "$GGUF" -p "$PROMPT" -n "$GEN" -t "$TLIST" -o json
 say "bespoke bench e2e: --prompt-len $PROMPT --gen $GEN --threads $THREADS"
 logged bespoke-e2e "$BESPOKE_BIN" bench e2e --model "$MODEL" --prompt-len "$PROMPT" --gen "$GEN" \
   --threads "$THREADS" --json "$RUN/bespoke-e2e.json"
 
 # ---- 4. kernels: test-backend-ops perf vs bespoke bench kernels ------------------------------
-# test-backend-ops runs the CPU backend at hardware_concurrency/2 threads (fixed in its main()),
-# so bespoke's kernels are timed at that count too.
+# test-backend-ops runs the CPU backend at hardware_concurrency/2 threads (fixed); bespoke's kernels too.
 KT=$(( $(nproc) / 2 )); [[ $KT -ge 1 ]] || KT=1
 say "bespoke bench kernels: --formats bf16,fp4 --threads $KT"
-logged bespoke-kernels "$BESPOKE_BIN" bench kernels --formats bf16,fp4 --threads "$KT" --json "$RUN/bespoke-kernels.json"
+logged bespoke-kernels "$BESPOKE_BIN" bench kernels --formats bf16,fp4 --threads "$KT" \
+  --json "$RUN/bespoke-kernels.json"
 # llama.cpp's own matvec perf cases (n=1) for BF16 and MXFP4: other shapes than bespoke's.
 say "test-backend-ops perf: built-in MUL_MAT cases, bf16 and mxfp4, n=1"
-logged tbo-builtin "$TBO" perf -b CPU -o MUL_MAT --output sql -p 'type_a=(bf16|mxfp4),type_b=f32,m=[0-9]+,n=1,k=[0-9]+,bs=\[1,1\]'
+logged tbo-builtin "$TBO" perf -b CPU -o MUL_MAT --output sql \
+  -p 'type_a=(bf16|mxfp4),type_b=f32,m=[0-9]+,n=1,k=[0-9]+,bs=\[1,1\]'
 # The same shapes as bespoke's, through --test-file (one MUL_MAT per line: op, type, ne, params, srcs).
 if [[ $("$TBO" --help 2>&1 || true) == *--test-file* ]]; then
   python3 - "$RUN/bespoke-kernels.json" "$SRC/ggml/include/ggml.h" >"$RUN/shapes.txt" <<'EOF'
@@ -186,12 +183,9 @@ h = open(sys.argv[2]).read()
 ops = re.findall(r"\b(GGML_OP_\w+)", h[h.index("enum ggml_op {"):].split("};")[0])
 types = {k: int(v) for k, v in re.findall(r"GGML_TYPE_(\w+)\s*=\s*(\d+)", h)}
 blk = {"BF16": (1, 2), "MXFP4": (32, 17)}  # (block size, bytes per block)
-seen = set()
-for c in json.load(open(sys.argv[1]))["kernels"]:
-    t, m, k = {"bf16": "BF16", "fp4": "MXFP4"}.get(c["format"]), c["rows"], c["cols"]
-    if t is None or (t, m, k) in seen or m * k < 1 << 20 or k % blk[t][0]:  # not the tiny fixtures
-        continue
-    seen.add((t, m, k))
+cases = {({"bf16": "BF16", "fp4": "MXFP4"}.get(c["format"]), c["rows"], c["cols"])
+         for c in json.load(open(sys.argv[1]))["kernels"]}
+for t, m, k in sorted(c for c in cases if c[0] and c[1] * c[2] >= 1 << 20 and c[2] % blk[c[0]][0] == 0):
     row = k // blk[t][0] * blk[t][1]
     print(ops.index("GGML_OP_MUL_MAT"), types["F32"], m, 1, 1, 1, 0, 2,
           types[t], k, m, 1, 1, blk[t][1], row, row * m, row * m,
@@ -204,46 +198,40 @@ else
 fi
 
 # ---- 5. the ratio table -----------------------------------------------------------------------
-CPU=$(lscpu | sed -n 's/^Model name: *//p' | head -n 1)
-python3 - "$RUN" "$KT" "$THREADS" "$VERSION" "$CPU" "$("$BESPOKE_BIN" --version)" "$LOAD" <<'EOF' | tee "$CACHE/compare-$STAMP.txt"
+CPU=$(lscpu | sed -n 's/^Model name: *//p' | head -n 1) TXT=$CACHE/compare-$STAMP.txt
+python3 - "$RUN" "$KT" "$THREADS" "$VERSION" "$CPU" "$("$BESPOKE_BIN" --version)" "$LOAD" <<'EOF' | tee "$TXT"
 import json, re, sys
 run, kt, threads, version, cpu, bver, load = sys.argv[1], int(sys.argv[2]), *sys.argv[3:]
 e2e, lb = json.load(open(f"{run}/bespoke-e2e.json")), json.load(open(f"{run}/llama-bench.json"))
 bk = json.load(open(f"{run}/bespoke-kernels.json"))["kernels"]
 rows = []                                                  # (label, bespoke, llama.cpp)
+pick = lambda t, p, g: next((x["avg_ts"] for x in lb
+                              if (x["n_threads"], bool(x["n_prompt"]), bool(x["n_gen"])) == (t, p, g)), None)
 for r in sorted(e2e["runs"], key=lambda r: r["threads"]):
-    t = r["threads"]
-    pick = lambda p, g: next((x["avg_ts"] for x in lb if x["n_threads"] == t and bool(x["n_prompt"]) == p
-                              and bool(x["n_gen"]) == g), None)
-    rows += [(f"prefill tok/s, {t} thread(s)", r["prefill_tok_s"], pick(True, False)),
-             (f"decode tok/s, {t} thread(s)", r["decode_tok_s"], pick(False, True))]
-
-def perf(name):  # test-backend-ops --output sql -> [(type, m, k, weight GB/s)]
-    out = []
+    rows += [(f"prefill tok/s, {r['threads']} thread(s)", r["prefill_tok_s"], pick(r["threads"], True, False)),
+             (f"decode tok/s, {r['threads']} thread(s)", r["decode_tok_s"], pick(r["threads"], False, True))]
+def perf(name):  # test-backend-ops --output sql -> (type, m, k, weight GB/s) per case
     for line in open(f"{run}/{name}.log"):
         s = re.match(r"INSERT INTO \w+ \((.*?)\) VALUES \('(.*)'\);$", line.strip())
         rec = dict(zip(s.group(1).split(", "), s.group(2).split("', '"))) if s else {}
-        if rec.get("supported") != "1" or float(rec["time_us"]) <= 0:
-            continue
-        p = re.search(r"name=([a-z0-9]+)_(\d+)x(\d+)|type_a=(\w+),type_b=f32,m=(\d+),n=1,k=(\d+)", rec["op_params"])
-        t, m, k = [g for g in p.groups() if g is not None]
-        m, k = int(m), int(k)
-        out.append((t, m, k, m * k * (2 if t == "bf16" else 17 / 32) / float(rec["time_us"]) / 1e3))
-    return out
-
+        p = re.search(r"name=(\w+?)_(\d+)x(\d+)|type_a=(\w+),type_b=f32,m=(\d+),n=1,k=(\d+)",
+                      rec.get("op_params", ""))
+        if rec.get("supported") == "1" and p and float(rec["time_us"]) > 0:
+            t, m, k = [g for g in p.groups() if g]
+            yield t, int(m), int(k), int(m) * int(k) * (2 if t == "bf16" else 17 / 32) / float(rec["time_us"]) / 1e3
 def bespoke(fmt, res, shape=None):  # best ISA, specialised kernel where the build has one
     c = [x for x in bk if x["format"] == fmt and x["threads"] == kt and x["residency"] == res
          and (shape is None or (x["rows"], x["cols"]) == shape)]
     c = [x for x in c if x["kernel"] == "specialised"] or c
     return max(c, key=lambda x: x["gb_per_s"], default=None)
-
 names = {"bf16": ("bf16", "BF16"), "mxfp4": ("fp4", "FP4 vs MXFP4")}
 for t, m, k, gb in perf("tbo-shapes"):                     # same shape, weights cache-resident
     b = bespoke(names[t][0], "cache", (m, k))
     rows.append((f"{names[t][1]} matvec GB/s {m}x{k}, {kt}t", b and b["gb_per_s"], gb))
 for t, m, k, gb in perf("tbo-builtin"):                    # other shapes: GB/s per type
     b = bespoke(names[t][0], "stream")
-    rows.append((f"{names[t][1]} GB/s {b['rows']}x{b['cols']} vs {m}x{k}*, {kt}t" if b else t, b and b["gb_per_s"], gb))
+    label = f"{names[t][1]} GB/s {b['rows']}x{b['cols']} vs {m}x{k}*, {kt}t" if b else f"{t} {m}x{k}*"
+    rows.append((label, b and b["gb_per_s"], gb))
 
 f = lambda v: f"{v:10.2f}" if v else "         -"
 print(f"machine:   {cpu}, {threads} threads for the e2e runs, {kt} for the kernels; load average {load} at start")
@@ -254,10 +242,10 @@ print(f"model:     {e2e['model']}, prompt {e2e['prompt_len']}, gen {e2e['gen']}\
 print(f"{'metric':<44} {'bespoke':>10} {'llama.cpp':>10} {'ratio':>7}")
 for label, b, l in rows:
     print(f"{label:<44} {f(b)} {f(l)} {b / l if b and l else float('nan'):7.2f}")
-print("\nratio = bespoke / llama.cpp (> 1: bespoke faster). GB/s = weight bytes read per matvec / time;")
-print("same-shape rows: test-backend-ops --test-file at bespoke's shapes, weights cache-resident in both;")
-print("* rows: llama.cpp's own perf shape differs from bespoke's, so GB/s per type is compared")
-print("  (bespoke: its fastest streamed-from-memory shape). llama.cpp times the activation")
-print("  conversion (to bf16 / q8_0) inside the op; bespoke's fp4 kernels take f32 activations.")
+print("""
+ratio = bespoke / llama.cpp (> 1: bespoke faster); GB/s = weight bytes per matvec / time. Same-shape rows:
+test-backend-ops --test-file at bespoke's shapes, weights cache-resident in both. * rows: llama.cpp's own
+perf shape, so GB/s per type (bespoke: its best streamed shape). llama.cpp's times include converting the
+activations (to bf16 / q8_0); bespoke's fp4 kernels take f32 activations.""")
 EOF
-say "saved $CACHE/compare-$STAMP.txt (raw outputs: $RUN)"
+say "saved $TXT (raw outputs: $RUN)"

@@ -227,17 +227,12 @@ impl Isa {
                 permuted: &[],
                 score: 20,
             },
+            // The same kernels as neon, compiled without the preset's flags.
             Isa::NeonBase => IsaDesc {
                 isa: self,
                 name: "neon_base",
-                width: 4,
-                registers: 32,
-                cflags: &[],
-                cpu_features: &["neon"],
-                arch: "aarch64",
-                header: "bs_isa_neon.h",
-                permuted: &[],
                 score: 19,
+                ..Isa::Neon.desc()
             },
         }
     }
