@@ -168,16 +168,15 @@ logged bespoke-e2e "$BESPOKE_BIN" bench e2e --model "$MODEL" --prompt-len "$PROM
 # ---- 4. kernels: test-backend-ops perf vs bespoke bench kernels ------------------------------
 # test-backend-ops runs the CPU backend at hardware_concurrency/2 threads (fixed); bespoke's kernels too.
 KT=$(( $(nproc) / 2 )); [[ $KT -ge 1 ]] || KT=1
-say "bespoke bench kernels: --formats bf16,fp4 --threads $KT"
-logged bespoke-kernels "$BESPOKE_BIN" bench kernels --formats bf16,fp4 --threads "$KT" \
+say "bespoke bench kernels: --formats bf16,fp4,fp4q8 --threads $KT"
+logged bespoke-kernels "$BESPOKE_BIN" bench kernels --formats bf16,fp4,fp4q8 --threads "$KT" \
   --json "$RUN/bespoke-kernels.json"
 # llama.cpp's own matvec perf cases (n=1) for BF16 and MXFP4: other shapes than bespoke's.
 say "test-backend-ops perf: built-in MUL_MAT cases, bf16 and mxfp4, n=1"
 logged tbo-builtin "$TBO" perf -b CPU -o MUL_MAT --output sql \
   -p 'type_a=(bf16|mxfp4),type_b=f32,m=[0-9]+,n=1,k=[0-9]+,bs=\[1,1\]'
 # The same shapes as bespoke's, through --test-file (one MUL_MAT per line: op, type, ne, params, srcs).
-if [[ $("$TBO" --help 2>&1 || true) == *--test-file* ]]; then
-  python3 - "$RUN/bespoke-kernels.json" "$SRC/ggml/include/ggml.h" >"$RUN/shapes.txt" <<'EOF'
+python3 - "$RUN/bespoke-kernels.json" "$SRC/ggml/include/ggml.h" >"$RUN/shapes.txt" <<'EOF'
 import json, re, sys
 h = open(sys.argv[2]).read()
 ops = re.findall(r"\b(GGML_OP_\w+)", h[h.index("enum ggml_op {"):].split("};")[0])
@@ -191,11 +190,8 @@ for t, m, k in sorted(c for c in cases if c[0] and c[1] * c[2] >= 1 << 20 and c[
           types[t], k, m, 1, 1, blk[t][1], row, row * m, row * m,
           types["F32"], k, 1, 1, 1, 4, 4 * k, 4 * k, 4 * k, f"{t.lower()}_{m}x{k}")
 EOF
-  say "test-backend-ops perf: bespoke's shapes ($(wc -l <"$RUN/shapes.txt") cases)"
-  logged tbo-shapes "$TBO" perf -b CPU --output sql --test-file "$RUN/shapes.txt"
-else
-  say "this test-backend-ops has no --test-file: comparing GB/s per type only"; : >"$RUN/tbo-shapes.log"
-fi
+say "test-backend-ops perf: bespoke's shapes ($(wc -l <"$RUN/shapes.txt") cases)"
+logged tbo-shapes "$TBO" perf -b CPU --output sql --test-file "$RUN/shapes.txt"
 
 # ---- 5. the ratio table -----------------------------------------------------------------------
 CPU=$(lscpu | sed -n 's/^Model name: *//p' | head -n 1) TXT=$CACHE/compare-$STAMP.txt
@@ -205,11 +201,12 @@ run, kt, threads, version, cpu, bver, load = sys.argv[1], int(sys.argv[2]), *sys
 e2e, lb = json.load(open(f"{run}/bespoke-e2e.json")), json.load(open(f"{run}/llama-bench.json"))
 bk = json.load(open(f"{run}/bespoke-kernels.json"))["kernels"]
 rows = []                                                  # (label, bespoke, llama.cpp)
-pick = lambda t, p, g: next((x["avg_ts"] for x in lb
-                              if (x["n_threads"], bool(x["n_prompt"]), bool(x["n_gen"])) == (t, p, g)), None)
 for r in sorted(e2e["runs"], key=lambda r: r["threads"]):
-    rows += [(f"prefill tok/s, {r['threads']} thread(s)", r["prefill_tok_s"], pick(r["threads"], True, False)),
-             (f"decode tok/s, {r['threads']} thread(s)", r["decode_tok_s"], pick(r["threads"], False, True))]
+    for what, p in (("prefill", True), ("decode", False)):
+        x = next((x for x in lb
+                  if (x["n_threads"], bool(x["n_prompt"]), bool(x["n_gen"])) == (r["threads"], p, not p)), {})
+        noisy = " !" if x and x["stddev_ts"] > 0.1 * x["avg_ts"] else ""   # llama-bench repeats spread > 10%
+        rows.append((f"{what} tok/s, {r['threads']} thread(s){noisy}", r[f"{what}_tok_s"], x.get("avg_ts")))
 def perf(name):  # test-backend-ops --output sql -> (type, m, k, weight GB/s) per case
     for line in open(f"{run}/{name}.log"):
         s = re.match(r"INSERT INTO \w+ \((.*?)\) VALUES \('(.*)'\);$", line.strip())
@@ -228,6 +225,9 @@ names = {"bf16": ("bf16", "BF16"), "mxfp4": ("fp4", "FP4 vs MXFP4")}
 for t, m, k, gb in perf("tbo-shapes"):                     # same shape, weights cache-resident
     b = bespoke(names[t][0], "cache", (m, k))
     rows.append((f"{names[t][1]} matvec GB/s {m}x{k}, {kt}t", b and b["gb_per_s"], gb))
+    if t == "mxfp4":  # bespoke's int8-activation variant, like llama.cpp's q8_0 activations
+        b = bespoke("fp4q8", "cache", (m, k))
+        rows.append((f"FP4xq8 vs MXFP4 matvec GB/s {m}x{k}, {kt}t", b and b["gb_per_s"], gb))
 for t, m, k, gb in perf("tbo-builtin"):                    # other shapes: GB/s per type
     b = bespoke(names[t][0], "stream")
     label = f"{names[t][1]} GB/s {b['rows']}x{b['cols']} vs {m}x{k}*, {kt}t" if b else f"{t} {m}x{k}*"
@@ -246,6 +246,7 @@ print("""
 ratio = bespoke / llama.cpp (> 1: bespoke faster); GB/s = weight bytes per matvec / time. Same-shape rows:
 test-backend-ops --test-file at bespoke's shapes, weights cache-resident in both. * rows: llama.cpp's own
 perf shape, so GB/s per type (bespoke: its best streamed shape). llama.cpp's times include converting the
-activations (to bf16 / q8_0); bespoke's fp4 kernels take f32 activations.""")
+activations (to bf16 / q8_0); bespoke's fp4 kernels take f32 activations, its fp4xq8 ones int8 (the
+closer match). ! llama-bench's repeats spread by more than 10% (was the machine busy?): rerun first.""")
 EOF
 say "saved $TXT (raw outputs: $RUN)"
