@@ -33,12 +33,17 @@ pub enum ShapeSet {
     /// Every matrix of DeepSeek V4 Flash (the bundled config), specialised
     /// where the build made a kernel for it, else generic only.
     Dsv4Flash,
+    /// Every matrix of DeepSeek V4 Pro (fixtures/configs/deepseek-v4-pro.json,
+    /// built in; generic kernels unless the build planned for it).
+    Dsv4Pro,
     /// Every matrix of the model whose directory or config.json this is.
     Model(std::path::PathBuf),
 }
 
 /// DeepSeek V4 Flash's config.json (shapes only), built in.
 const DSV4_FLASH_CONFIG: &str = include_str!("../fixtures/configs/deepseek-v4-flash.json");
+/// DeepSeek V4 Pro's shapes (see fixtures/configs/README.md), built in.
+const DSV4_PRO_CONFIG: &str = include_str!("../fixtures/configs/deepseek-v4-pro.json");
 
 /// Larger matrices are skipped (their streamed copies would not fit a
 /// sensible memory budget); the run says which.
@@ -318,12 +323,13 @@ fn shape_cases(
 ) -> Result<Vec<(Format, usize, usize, String)>, String> {
     match set {
         ShapeSet::Default => Ok(cases(formats)),
-        ShapeSet::Dsv4Flash => {
-            let cfg = crate::plan::ModelConfig::from_json_str(
-                "built-in deepseek-v4-flash",
-                DSV4_FLASH_CONFIG,
-            )
-            .map_err(|e| e.to_string())?;
+        ShapeSet::Dsv4Flash | ShapeSet::Dsv4Pro => {
+            let (name, text) = match set {
+                ShapeSet::Dsv4Flash => ("built-in deepseek-v4-flash", DSV4_FLASH_CONFIG),
+                _ => ("built-in deepseek-v4-pro", DSV4_PRO_CONFIG),
+            };
+            let cfg =
+                crate::plan::ModelConfig::from_json_str(name, text).map_err(|e| e.to_string())?;
             model_cases(&cfg, formats)
         }
         ShapeSet::Model(dir) => {

@@ -201,6 +201,9 @@ fn bench_kernels_shape_sets() {
     );
     let (s, _) = shapes(&["--shapes", "dsv4-flash", "--formats", "f32"]);
     assert_eq!(s, vec![("f32".into(), 4, 16384), ("f32".into(), 24, 16384)]);
+    // Pro: hidden 7168 (the mHC mixes are 24 × 4·7168)
+    let (s, _) = shapes(&["--shapes", "dsv4-pro", "--formats", "f32"]);
+    assert_eq!(s, vec![("f32".into(), 4, 28672), ("f32".into(), 24, 28672)]);
     let (_, err) = shapes(&["--shapes", "dsv4-flash", "--formats", "f32,bf16"]);
     assert!(
         err.contains("skipped head") && err.contains("129280"),

@@ -150,9 +150,10 @@ enum BenchWhat {
         #[arg(long, value_name = "DIR", conflicts_with = "shapes")]
         model: Option<PathBuf>,
         /// A built-in shape set instead of the default one: `dsv4-flash`
-        /// (every matrix of DeepSeek V4 Flash, from its config.json). The
-        /// default set is the Flash expert shapes plus the fixtures' shapes.
-        #[arg(long, value_name = "SET", value_parser = ["dsv4-flash"])]
+        /// (every matrix of DeepSeek V4 Flash, from its config.json) or
+        /// `dsv4-pro` (DeepSeek V4 Pro). The default set is the Flash expert
+        /// shapes plus the fixtures' shapes.
+        #[arg(long, value_name = "SET", value_parser = ["dsv4-flash", "dsv4-pro"])]
         shapes: Option<String>,
         /// Also draw specialised vs generic GB/s per kernel, ISA, thread count
         /// and residency, with the read bandwidth marked, as an SVG chart.
@@ -302,6 +303,7 @@ fn run(cli: Cli) -> Result<(), String> {
             let shapes = match (model, shapes.as_deref()) {
                 (Some(dir), _) => bench::ShapeSet::Model(dir),
                 (None, Some("dsv4-flash")) => bench::ShapeSet::Dsv4Flash,
+                (None, Some("dsv4-pro")) => bench::ShapeSet::Dsv4Pro,
                 _ => bench::ShapeSet::Default,
             };
             let opts = bench::Options {
