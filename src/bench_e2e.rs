@@ -61,7 +61,7 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
     let k = Kernels::from_env()
         .map_err(|e| e.to_string())?
         .kernels
-        .with_fp4_act(opts.num.fp4_act());
+        .with_fp4_act(opts.num.fp4_act);
     let eng = crate::commands::engine(&m, k, opts.num)?;
     let vocab = eng.vocab();
     let ctx = opts.prompt_len + opts.gen;

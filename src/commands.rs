@@ -123,13 +123,6 @@ pub enum NumericsArg {
     Deepseek,
 }
 
-/// `--fp4-act`: see [`crate::q8`].
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Fp4ActArg {
-    F32,
-    Q8,
-}
-
 /// The numerics options shared by `run`, `score` and `bench e2e`.
 #[derive(clap::Args, Debug, Clone, Copy)]
 pub struct NumericsArgs {
@@ -145,17 +138,8 @@ pub struct NumericsArgs {
     /// reference. `q8`: the fp4×q8 kernels — activations rounded to int8 per
     /// 32 columns (scale max|x|/127), integer dot products; faster, but not
     /// token-exact (the error bound is in src/q8.rs and tested).
-    #[arg(long, value_name = "ACT", value_enum, default_value_t = Fp4ActArg::F32)]
-    pub fp4_act: Fp4ActArg,
-}
-
-impl NumericsArgs {
-    pub fn fp4_act(&self) -> crate::q8::Fp4Act {
-        match self.fp4_act {
-            Fp4ActArg::F32 => crate::q8::Fp4Act::F32,
-            Fp4ActArg::Q8 => crate::q8::Fp4Act::Q8,
-        }
-    }
+    #[arg(long, value_name = "ACT", value_enum, default_value_t = crate::q8::Fp4Act::F32)]
+    pub fp4_act: crate::q8::Fp4Act,
 }
 
 fn has_fp4(m: &ModelDir) -> bool {
@@ -166,8 +150,8 @@ fn has_fp4(m: &ModelDir) -> bool {
 
 /// The engine for a model, with the numerics options applied.
 pub fn engine<'m>(m: &'m ModelDir, k: Kernels, num: NumericsArgs) -> Result<AnyModel<'m>, String> {
-    let k = k.with_fp4_act(num.fp4_act());
-    if num.fp4_act == Fp4ActArg::Q8 && !has_fp4(m) {
+    let k = k.with_fp4_act(num.fp4_act);
+    if num.fp4_act == crate::q8::Fp4Act::Q8 && !has_fp4(m) {
         eprintln!("note: --fp4-act q8 changes nothing here: this model has no FP4 weights");
     }
     let mut eng = AnyModel::load(m, k).map_err(|e| e.to_string())?;
@@ -332,7 +316,7 @@ pub fn run(a: RunArgs) -> Result<(), String> {
         sampling.seed = s;
     }
     sampling.validate()?;
-    let k = k.with_fp4_act(a.num.fp4_act());
+    let k = k.with_fp4_act(a.num.fp4_act);
     let eng = engine(&m, k, a.num)?;
     banner(&m, &k, &reason, prompt_ids.len() + max_new);
     let opts = GenOptions {
@@ -438,7 +422,7 @@ pub fn score(a: ScoreArgs) -> Result<(), String> {
     if ids.is_empty() {
         return Err("nothing to score: the sequence is empty".into());
     }
-    let k = k.with_fp4_act(a.num.fp4_act());
+    let k = k.with_fp4_act(a.num.fp4_act);
     let eng = engine(&m, k, a.num)?;
     if !a.json {
         banner(&m, &k, &reason, ids.len());

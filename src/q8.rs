@@ -16,8 +16,8 @@ use crate::kernels::KernelError;
 /// Columns per activation block (the FP4 scale block).
 pub const BLOCK: usize = 32;
 
-/// Selects the FP4 matvec variant for engines.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Selects the FP4 matvec variant for engines (`--fp4-act`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum Fp4Act {
     /// f32 activations: bit-identical to the scalar reference (the default).
     #[default]
@@ -27,13 +27,6 @@ pub enum Fp4Act {
 }
 
 impl Fp4Act {
-    pub fn parse(s: &str) -> Option<Fp4Act> {
-        match s.trim() {
-            "f32" => Some(Fp4Act::F32),
-            "q8" => Some(Fp4Act::Q8),
-            _ => None,
-        }
-    }
     pub fn name(self) -> &'static str {
         match self {
             Fp4Act::F32 => "f32",
