@@ -8,6 +8,9 @@ mod plan;
 #[path = "src/codegen.rs"]
 mod codegen;
 
+#[path = "src/cuda_build.rs"]
+mod cuda_build;
+
 fn main() {
     if let Err(e) = codegen::build() {
         eprintln!("\nbespoke build error: {e}\n");

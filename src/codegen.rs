@@ -113,10 +113,9 @@ fn declare_inputs(root: &Path) -> BuildResult<()> {
             println!("cargo:rerun-if-changed={}", e.path().display());
         }
     }
-    println!(
-        "cargo:rerun-if-changed={}",
-        root.join("src/codegen.rs").display()
-    );
+    for f in ["src/codegen.rs", "src/cuda_build.rs"] {
+        println!("cargo:rerun-if-changed={}", root.join(f).display());
+    }
     Ok(())
 }
 
@@ -199,20 +198,54 @@ pub fn build() -> BuildResult<()> {
     let mut the_plan: Plan =
         plan::plan(&models, isas.clone(), &target).map_err(|e| e.to_string())?;
     the_plan.cpu = cpu;
-    if let Some(c) = &the_plan.cpu {
-        if let Some(sm) = &c.cuda_arch {
-            the_plan.notes.push(format!(
-                "BESPOKE_CPU={}: its GPU is {sm} (for the CUDA backend, not in this version yet)",
-                c.name
-            ));
+    let cuda_table = if env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        // A board preset names its GPU: the default arch list (its
+        // arch-specific form, which unlocks every tensor-core path it has).
+        let preset_arch = the_plan
+            .cpu
+            .as_ref()
+            .and_then(|c| c.cuda_arch.clone())
+            .map(|a| match plan::cuda::Arch::parse(&a) {
+                Ok(mut arch) => {
+                    arch.specific = plan::cuda::KNOWN_ARCHS
+                        .iter()
+                        .any(|k| k.0 == arch.major && k.1 == arch.minor && k.3);
+                    arch.name()
+                }
+                Err(_) => a,
+            });
+        let tc = env_opt("BESPOKE_CUDA_TC");
+        let tc_off = match tc.as_deref().map(str::to_ascii_lowercase).as_deref() {
+            None | Some("on") => false,
+            Some("off") => true,
+            Some(other) => return Err(format!("BESPOKE_CUDA_TC={other:?}: expected on or off")),
+        };
+        for v in ["CUDA_HOME", "CUDA_PATH", "PATH"] {
+            println!("cargo:rerun-if-env-changed={v}");
         }
-    }
-    if env::var_os("CARGO_FEATURE_CUDA").is_some() {
-        let note = "feature `cuda` is on, but the CUDA backend is not in this version yet: \
-                    the binary runs on the CPU and says so";
-        println!("cargo:warning={note}");
-        the_plan.notes.push(note.into());
-    }
+        let get = |k: &str| env::var(k).ok().filter(|v| !v.is_empty());
+        let inputs = crate::cuda_build::CudaInputs {
+            root: &root,
+            out: &out,
+            arch_spec: env_opt("BESPOKE_CUDA_ARCH").or(preset_arch),
+            tc_off,
+            version_override: env_opt("BESPOKE_CUDA_VERSION"),
+            werror: env_opt("BESPOKE_WERROR").is_some(),
+            env: &get,
+            shapes: &the_plan.mat_shapes,
+            attn: &the_plan.attn_shapes,
+        };
+        let mut warnings = Vec::new();
+        let (cuda_plan, table) = crate::cuda_build::build(&inputs, &mut warnings)?;
+        for w in warnings {
+            println!("cargo:warning={w}");
+            the_plan.notes.push(w);
+        }
+        the_plan.cuda = Some(cuda_plan);
+        table
+    } else {
+        String::from("pub static IMAGES: &[Image] = &[];\n")
+    };
 
     // Render.
     let gen = out.join("kernels");
@@ -427,6 +460,7 @@ pub fn build() -> BuildResult<()> {
     compile(&root, &gen, &sources, &cpu_flags)?;
     bind(&header, &out)?;
     write_if_changed(&out.join("dispatch_table.rs"), &table)?;
+    write_if_changed(&out.join("cuda_images.rs"), &cuda_table)?;
     let plan_json = serde_json::to_string_pretty(&the_plan).map_err(|e| e.to_string())?;
     write_if_changed(&out.join("plan.json"), &plan_json)?;
     Ok(())

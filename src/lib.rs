@@ -11,6 +11,7 @@ pub mod cpu;
 pub mod engine;
 pub mod formats;
 pub mod generate;
+pub mod gpu;
 pub mod inspect;
 pub mod kernels;
 pub mod model;

@@ -106,13 +106,72 @@ pub fn variants_report(
     out
 }
 
-pub fn cuda_report() -> String {
-    if cfg!(feature = "cuda") {
-        "CUDA: feature `cuda` is on, but this version has no CUDA backend yet; running on the CPU"
-            .into()
-    } else {
-        "CUDA: not built with CUDA (the `cuda` feature is off); running on the CPU".into()
+/// The CUDA side: what the build compiled (archs, tensor-core paths on/off and
+/// why, the embedded images) and the device found at run time.
+pub fn cuda_report(p: &Plan) -> String {
+    let mut out = String::new();
+    match &p.cuda {
+        None => {}
+        Some(c) => {
+            if let Some(why) = &c.skipped {
+                writeln!(out, "CUDA build: {why}").unwrap();
+            } else {
+                writeln!(
+                    out,
+                    "CUDA build: toolkit {} (nvcc {}){}",
+                    c.toolkit.as_deref().unwrap_or("?"),
+                    c.nvcc.as_deref().unwrap_or("?"),
+                    if c.tc_off {
+                        "; tensor-core paths off (BESPOKE_CUDA_TC=off)"
+                    } else {
+                        ""
+                    }
+                )
+                .unwrap();
+                if let Some(n) = &c.toolkit_note {
+                    writeln!(out, "  {n}").unwrap();
+                }
+                let rows: Vec<Vec<String>> = c
+                    .archs
+                    .iter()
+                    .flat_map(|a| {
+                        let head = if a.compiled {
+                            a.arch.name()
+                        } else {
+                            format!(
+                                "{} (not built: {})",
+                                a.arch,
+                                a.why_not.as_deref().unwrap_or("")
+                            )
+                        };
+                        a.tc.iter().enumerate().map(move |(i, d)| {
+                            vec![
+                                if i == 0 { head.clone() } else { String::new() },
+                                d.path.describe().to_string(),
+                                if d.on {
+                                    "on".into()
+                                } else {
+                                    format!("off: {}", d.why)
+                                },
+                            ]
+                        })
+                    })
+                    .collect();
+                table(&mut out, &["arch", "tensor-core path", "state"], &rows);
+                writeln!(
+                    out,
+                    "CUDA-core kernels (every format, matvec, matmul, attention) in every arch above{}",
+                    match c.ptx {
+                        Some(a) => format!("; PTX for {} embedded for newer GPUs", a.compute()),
+                        None => String::new(),
+                    }
+                )
+                .unwrap();
+            }
+        }
     }
+    writeln!(out, "{}", crate::gpu::status_line()).unwrap();
+    out
 }
 
 /// What the build generated: models, specialised shapes, ISAs.

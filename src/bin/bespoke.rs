@@ -203,7 +203,7 @@ fn run(cli: Cli) -> Result<(), String> {
             print!("{}", report::build_report(&p));
             println!();
             print!("{}", report::variants_report(&choice, n));
-            println!("{}", report::cuda_report());
+            print!("{}", report::cuda_report(&p));
             let kernels = choice.map_err(|e| e.to_string())?.kernels;
             for dir in model {
                 let cfg = plan::load_config(&dir).map_err(|e| e.to_string())?;

@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 pub mod config;
+pub mod cuda;
 pub mod json;
 
 pub use config::{DenseDtype, Family, ModelConfig};
@@ -589,6 +590,9 @@ pub struct Plan {
     /// The CPU preset the NEON variant was compiled for (aarch64 targets).
     #[serde(default)]
     pub cpu: Option<CpuPreset>,
+    /// The CUDA side of a `cuda` build (None without the feature).
+    #[serde(default)]
+    pub cuda: Option<cuda::CudaPlan>,
 }
 
 /// A `BESPOKE_CPU` preset: the flags the NEON variant is compiled with, and
@@ -769,6 +773,7 @@ pub fn plan(models: &[ModelConfig], isas: Vec<Isa>, target: &str) -> Result<Plan
         isas,
         target: target.to_string(),
         notes: Vec::new(),
+        cuda: None,
         cpu: None,
     })
 }

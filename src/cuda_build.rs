@@ -1,0 +1,390 @@
+//! The CUDA half of the build (compiled into build.rs next to codegen.rs, and
+//! into tests/cuda_build.rs): find nvcc, decide the archs and tensor-core
+//! paths (src/plan/cuda.rs), render templates/cuda.cu.tera once per arch,
+//! compile each to PTX and a cubin, and write the Rust table that embeds them.
+
+use crate::plan::cuda::{self, Arch, CudaArchPlan, CudaPlan, TcDecision};
+use crate::plan::{AttnShape, MatShape};
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The installed CUDA compiler.
+#[derive(Debug, Clone)]
+pub struct Toolkit {
+    pub nvcc: PathBuf,
+    /// The version gating decisions go by (the override when one is set).
+    pub version: (u32, u32),
+    /// The version nvcc itself reports.
+    pub installed: (u32, u32),
+}
+
+/// Where to look for nvcc: `$CUDA_HOME/bin`, `$CUDA_PATH/bin`, PATH, then
+/// /usr/local/cuda/bin. `get` reads an environment variable.
+pub fn find_nvcc(get: &dyn Fn(&str) -> Option<String>) -> Result<PathBuf, String> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(d) = get(var) {
+            candidates.push(Path::new(&d).join("bin").join("nvcc"));
+        }
+    }
+    if let Some(path) = get("PATH") {
+        candidates.extend(std::env::split_paths(&path).map(|d| d.join("nvcc")));
+    }
+    candidates.push(PathBuf::from("/usr/local/cuda/bin/nvcc"));
+    // Where tools/setup.sh puts the PyPI wheels' toolkit.
+    if let Some(home) = get("HOME") {
+        candidates.push(Path::new(&home).join(".cache/bespoke/cuda-home/bin/nvcc"));
+    }
+    for c in candidates {
+        if c.is_file() {
+            return Ok(c);
+        }
+    }
+    Err(
+        "nvcc not found (looked in $CUDA_HOME/bin, $CUDA_PATH/bin, PATH, /usr/local/cuda/bin, \
+         ~/.cache/bespoke/cuda-home/bin); install a CUDA toolkit, or the PyPI wheels with \
+         tools/setup.sh, or set CUDA_HOME"
+            .to_string(),
+    )
+}
+
+/// Ask nvcc its version; `override_version` (BESPOKE_CUDA_VERSION) replaces
+/// it for the gating decisions, to build as an older toolkit would.
+pub fn toolkit(nvcc: PathBuf, override_version: Option<&str>) -> Result<Toolkit, String> {
+    let out = Command::new(&nvcc)
+        .arg("--version")
+        .output()
+        .map_err(|e| format!("running {} --version: {e}", nvcc.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let installed = cuda::parse_toolkit_version(&text).ok_or_else(|| {
+        format!(
+            "{} --version did not say which release it is: {}",
+            nvcc.display(),
+            text.trim()
+        )
+    })?;
+    let version = match override_version {
+        Some(v) => cuda::parse_toolkit_version(v)
+            .ok_or_else(|| format!("BESPOKE_CUDA_VERSION={v:?}: expected a version like 12.4"))?,
+        None => installed,
+    };
+    Ok(Toolkit {
+        nvcc,
+        version,
+        installed,
+    })
+}
+
+#[derive(Serialize)]
+struct ArchCtx {
+    name: String,
+    cc: u32,
+}
+
+#[derive(Serialize)]
+struct TcCtx {
+    key: &'static str,
+    on: bool,
+    why: String,
+}
+
+#[derive(Serialize)]
+struct ShapeCtx {
+    format: &'static str,
+    rows: usize,
+    cols: usize,
+}
+
+/// Render templates/cuda.cu.tera for one arch.
+pub fn render(
+    template: &str,
+    arch: Arch,
+    tc: &[TcDecision],
+    shapes: &[MatShape],
+    attn: &[AttnShape],
+) -> Result<String, String> {
+    let mut tera = tera::Tera::default();
+    tera.add_raw_template("cuda.cu.tera", template)
+        .map_err(|e| format!("templates/cuda.cu.tera: {}", err_chain(&e)))?;
+    let mut ctx = tera::Context::new();
+    ctx.insert(
+        "arch",
+        &ArchCtx {
+            name: arch.name(),
+            cc: arch.cc(),
+        },
+    );
+    let flags: std::collections::BTreeMap<&str, bool> =
+        tc.iter().map(|d| (d.path.key(), d.on)).collect();
+    ctx.insert("tc", &flags);
+    ctx.insert("tc_any", &tc.iter().any(|d| d.on));
+    ctx.insert(
+        "tc_list",
+        &tc.iter()
+            .map(|d| TcCtx {
+                key: d.path.key(),
+                on: d.on,
+                why: d.why.clone(),
+            })
+            .collect::<Vec<_>>(),
+    );
+    ctx.insert("formats", &["f32", "bf16", "fp8", "fp4"]);
+    ctx.insert(
+        "shapes",
+        &shapes
+            .iter()
+            .map(|s| ShapeCtx {
+                format: s.format.name(),
+                rows: s.rows,
+                cols: s.cols,
+            })
+            .collect::<Vec<_>>(),
+    );
+    ctx.insert("attn_shapes", attn);
+    tera.render("cuda.cu.tera", &ctx)
+        .map_err(|e| format!("rendering templates/cuda.cu.tera: {}", err_chain(&e)))
+}
+
+fn err_chain(e: &dyn std::error::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        msg += &format!(": {s}");
+        src = s.source();
+    }
+    msg
+}
+
+/// Compile `cu` for `arch` into `dir`: PTX (`<arch>.ptx`) by nvcc, then the
+/// cubin (`<arch>.cubin`) by ptxas from that PTX (one front-end pass).
+/// Returns (ptx, cubin) paths.
+pub fn compile(
+    tk: &Toolkit,
+    include: &Path,
+    cu: &Path,
+    arch: Arch,
+    dir: &Path,
+    werror: bool,
+) -> Result<(PathBuf, PathBuf), String> {
+    let ptx = dir.join(format!("{}.ptx", arch.name()));
+    let cubin = dir.join(format!("{}.cubin", arch.name()));
+    let mut c = Command::new(&tk.nvcc);
+    c.arg("-O3")
+        .arg("-std=c++17")
+        .arg("-I")
+        .arg(include)
+        .arg(format!("--gpu-architecture={}", arch.compute()))
+        .arg("-ptx")
+        .arg(cu)
+        .arg("-o")
+        .arg(&ptx);
+    if werror {
+        c.arg("-Werror").arg("all-warnings");
+    }
+    run(c, &format!("compiling {} to PTX for {arch}", cu.display()))?;
+    let ptxas = tk.nvcc.with_file_name("ptxas");
+    let mut c = Command::new(if ptxas.is_file() {
+        ptxas
+    } else {
+        PathBuf::from("ptxas")
+    });
+    c.arg(format!("-arch={}", arch.name()))
+        .arg("-O3")
+        .arg(&ptx)
+        .arg("-o")
+        .arg(&cubin);
+    if werror {
+        c.arg("--warning-as-error");
+    }
+    run(c, &format!("assembling the {arch} PTX into a cubin"))?;
+    Ok((ptx, cubin))
+}
+
+fn run(mut c: Command, what: &str) -> Result<(), String> {
+    let out = c.output().map_err(|e| format!("{what}: {e}"))?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        return Err(format!("{what}: failed:\n{}", stderr.trim()));
+    }
+    Ok(())
+}
+
+/// Everything the `cuda` build does. Returns the CUDA plan and the Rust source
+/// of the embedded image table (an empty table when nothing was built, with
+/// the reason in the plan). Warnings for cargo are pushed onto `warnings`.
+pub struct CudaInputs<'a> {
+    pub root: &'a Path,
+    pub out: &'a Path,
+    pub arch_spec: Option<String>,
+    pub tc_off: bool,
+    pub version_override: Option<String>,
+    pub werror: bool,
+    pub env: &'a dyn Fn(&str) -> Option<String>,
+    pub shapes: &'a [MatShape],
+    pub attn: &'a [AttnShape],
+}
+
+pub fn build(i: &CudaInputs, warnings: &mut Vec<String>) -> Result<(CudaPlan, String), String> {
+    let mut plan = CudaPlan {
+        tc_off: i.tc_off,
+        ..CudaPlan::default()
+    };
+    let nvcc = match find_nvcc(i.env) {
+        Ok(p) => p,
+        Err(e) => {
+            let why = format!("no GPU kernels were built: {e}; the binary runs on the CPU");
+            warnings.push(format!("feature `cuda`: {why}"));
+            plan.skipped = Some(why);
+            return Ok((plan, table(&[])));
+        }
+    };
+    let tk = toolkit(nvcc, i.version_override.as_deref())?;
+    plan.nvcc = Some(tk.nvcc.display().to_string());
+    plan.toolkit = Some(format!("{}.{}", tk.version.0, tk.version.1));
+    if i.version_override.is_some() {
+        plan.toolkit_note = Some(format!(
+            "BESPOKE_CUDA_VERSION: building as CUDA {}.{} would (the installed nvcc is {}.{})",
+            tk.version.0, tk.version.1, tk.installed.0, tk.installed.1
+        ));
+    }
+    let spec = i.arch_spec.clone().unwrap_or_else(|| {
+        if native_caps().is_some() {
+            "native".into()
+        } else {
+            "portable".into()
+        }
+    });
+    let archs = cuda::parse_arch_list(&spec, native_caps)?;
+    let template_path = i.root.join("templates/cuda.cu.tera");
+    let template = fs::read_to_string(&template_path)
+        .map_err(|e| format!("{}: {e}", template_path.display()))?;
+    let dir = i.out.join("cuda");
+    fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let include = i.root.join("kernels");
+    let mut images: Vec<(String, bool, PathBuf)> = Vec::new();
+    let mut jobs: Vec<(Arch, bool, Vec<TcDecision>, PathBuf)> = Vec::new();
+    // Each listed arch, then the PTX arch on its own when it is not listed.
+    let extra = (!archs.contains(&cuda::PTX_ARCH)).then_some(cuda::PTX_ARCH);
+    for (idx, arch) in archs.iter().copied().chain(extra).enumerate() {
+        let ptx_only = idx >= archs.len();
+        let tc = cuda::decide(arch, tk.version, i.tc_off);
+        let (maj, min) = arch.min_toolkit();
+        if tk.version < (maj, min) || tk.installed < (maj, min) {
+            let why = format!(
+                "CUDA {}.{} cannot target {arch} (needs {maj}.{min}+)",
+                tk.version.0, tk.version.1
+            );
+            warnings.push(format!("feature `cuda`: {arch} skipped: {why}"));
+            if !ptx_only {
+                plan.archs.push(CudaArchPlan {
+                    arch,
+                    compiled: false,
+                    why_not: Some(why),
+                    tc,
+                });
+            }
+            continue;
+        }
+        if !ptx_only {
+            for d in tc
+                .iter()
+                .filter(|d| !d.on && !i.tc_off && d.why.contains("toolkit"))
+            {
+                warnings.push(format!(
+                    "feature `cuda`: {arch}: {} compiled out: {}; the CUDA-core kernels do that work",
+                    d.path.describe(),
+                    d.why
+                ));
+            }
+        }
+        let src = render(&template, arch, &tc, i.shapes, i.attn)?;
+        let cu = dir.join(format!("{}.cu", arch.name()));
+        write_if_changed(&cu, &src)?;
+        jobs.push((arch, ptx_only, tc, cu));
+    }
+    // nvcc runs for the archs in parallel (each is one front end + ptxas).
+    let results: Vec<Result<(PathBuf, PathBuf), String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = jobs
+            .iter()
+            .map(|(arch, _, _, cu)| {
+                let (tk, include, dir, werror) = (&tk, &include, &dir, i.werror);
+                s.spawn(move || compile(tk, include, cu, *arch, dir, werror))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("nvcc thread panicked".into()))
+            })
+            .collect()
+    });
+    for ((arch, ptx_only, tc, _), r) in jobs.into_iter().zip(results) {
+        let (ptx, cubin) = r.map_err(|e| {
+            format!("{e}\n(BESPOKE_CUDA_TC=off compiles the tensor-core paths out; BESPOKE_CUDA_ARCH picks the archs)")
+        })?;
+        if arch == cuda::PTX_ARCH {
+            // The forward-compatible image: PTX text, NUL-terminated for the driver.
+            let mut text = fs::read(&ptx).map_err(|e| format!("{}: {e}", ptx.display()))?;
+            text.push(0);
+            let p = dir.join(format!("{}.ptx0", arch.compute()));
+            fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))?;
+            images.push((arch.compute(), true, p));
+            plan.ptx = Some(arch);
+        }
+        if !ptx_only {
+            images.push((arch.name(), false, cubin));
+            plan.archs.push(CudaArchPlan {
+                arch,
+                compiled: true,
+                why_not: None,
+                tc,
+            });
+        }
+    }
+    Ok((plan, table(&images)))
+}
+
+/// `nvidia-smi --query-gpu=compute_cap`: one "major.minor" per GPU, or None.
+pub fn native_caps() -> Option<Vec<String>> {
+    let out = Command::new("nvidia-smi")
+        .args(["--query-gpu=compute_cap", "--format=csv,noheader"])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let caps: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.trim().to_string())
+        .filter(|l| !l.is_empty())
+        .collect();
+    (!caps.is_empty()).then_some(caps)
+}
+
+fn table(images: &[(String, bool, PathBuf)]) -> String {
+    let mut t = String::from(
+        "// The GPU images this build embedded (written by build.rs into OUT_DIR).\n\
+         pub static IMAGES: &[Image] = &[\n",
+    );
+    for (arch, ptx, path) in images {
+        writeln!(
+            t,
+            "    Image {{ arch: {arch:?}, ptx: {ptx}, bytes: include_bytes!({:?}) }},",
+            path.display().to_string()
+        )
+        .unwrap();
+    }
+    t.push_str("];\n");
+    t
+}
+
+fn write_if_changed(path: &Path, text: &str) -> Result<(), String> {
+    if fs::read_to_string(path).map(|o| o == text).unwrap_or(false) {
+        return Ok(());
+    }
+    fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
+}
