@@ -220,7 +220,7 @@ pub fn build() -> BuildResult<()> {
             Some("off") => true,
             Some(other) => return Err(format!("BESPOKE_CUDA_TC={other:?}: expected on or off")),
         };
-        for v in ["CUDA_HOME", "CUDA_PATH", "PATH"] {
+        for v in ["CUDA_HOME", "CUDA_PATH", "PATH", "HOME", "XDG_CACHE_HOME"] {
             println!("cargo:rerun-if-env-changed={v}");
         }
         let get = |k: &str| env::var(k).ok().filter(|v| !v.is_empty());

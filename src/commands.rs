@@ -109,6 +109,9 @@ fn banner(m: &ModelDir, k: &Kernels, reason: &str, ctx: usize) {
         format!("{hit} of {total} matrices specialised, the rest generic")
     };
     eprintln!("kernels: {} — {reason}; {note}", k.isa());
+    if cfg!(feature = "cuda") {
+        eprintln!("{}", crate::gpu::status_line());
+    }
     if k.fp4_act() == crate::q8::Fp4Act::Q8 && has_fp4(m) {
         eprintln!(
             "fp4×q8: FP4 products use int8 activations (--fp4-act q8): faster, not token-exact"

@@ -21,8 +21,10 @@ pub struct Toolkit {
     pub installed: (u32, u32),
 }
 
-/// Where to look for nvcc: `$CUDA_HOME/bin`, `$CUDA_PATH/bin`, PATH, then
-/// /usr/local/cuda/bin. `get` reads an environment variable.
+/// Where to look for nvcc: `$CUDA_HOME/bin`, `$CUDA_PATH/bin`, PATH,
+/// /usr/local/cuda/bin, then where tools/setup.sh --cuda installs it
+/// (`${XDG_CACHE_HOME:-~/.cache}/bespoke/cuda-home`). `get` reads an
+/// environment variable.
 pub fn find_nvcc(get: &dyn Fn(&str) -> Option<String>) -> Result<PathBuf, String> {
     let mut candidates: Vec<PathBuf> = Vec::new();
     for var in ["CUDA_HOME", "CUDA_PATH"] {
@@ -34,9 +36,12 @@ pub fn find_nvcc(get: &dyn Fn(&str) -> Option<String>) -> Result<PathBuf, String
         candidates.extend(std::env::split_paths(&path).map(|d| d.join("nvcc")));
     }
     candidates.push(PathBuf::from("/usr/local/cuda/bin/nvcc"));
-    // Where tools/setup.sh puts the PyPI wheels' toolkit.
-    if let Some(home) = get("HOME") {
-        candidates.push(Path::new(&home).join(".cache/bespoke/cuda-home/bin/nvcc"));
+    // Where tools/setup.sh --cuda puts the PyPI wheels' toolkit.
+    let cache = get("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| get("HOME").map(|h| Path::new(&h).join(".cache")));
+    if let Some(c) = cache {
+        candidates.push(c.join("bespoke/cuda-home/bin/nvcc"));
     }
     for c in candidates {
         if c.is_file() {

@@ -34,6 +34,49 @@ fn plan_shows_build_variants_and_dispatch() {
     }
 }
 
+/// The CUDA side of `plan`: in a `cuda` build with a toolkit, the archs and
+/// tensor-core paths; with no GPU or driver (CI), the one-line reason the
+/// binary runs on the CPU; without the feature, that it is not built with CUDA.
+#[test]
+fn plan_shows_the_cuda_side() {
+    let (ok, out, err) = run(&["plan"]);
+    assert!(ok, "{err}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("CUDA:"))
+        .unwrap_or_default();
+    if !cfg!(feature = "cuda") {
+        assert!(line.contains("not built with CUDA"), "{out}");
+        return;
+    }
+    if out.contains("CUDA build: toolkit") {
+        for needle in ["sm_", "mma.sync BF16", "wgmma", "CUDA-core kernels"] {
+            assert!(out.contains(needle), "missing {needle:?} in:\n{out}");
+        }
+    } else {
+        assert!(
+            out.contains("CUDA build: no GPU kernels were built: nvcc not found"),
+            "{out}"
+        );
+    }
+    assert!(
+        line.contains("running on the CPU") || line.contains("kernels from the"),
+        "{line}"
+    );
+    // The kill switch.
+    let out = bespoke_command()
+        .arg("plan")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("BESPOKE_CUDA", "off")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("CUDA: running on the CPU: BESPOKE_CUDA=off"),
+        "{text}"
+    );
+}
+
 #[test]
 fn plan_for_a_model_says_specialised_or_generic() {
     let (ok, out, err) = run(&["plan", "--model", "fixtures/tiny-llama"]);
