@@ -40,6 +40,18 @@ pub enum ShapeSet {
     Model(std::path::PathBuf),
 }
 
+impl ShapeSet {
+    /// From `--model DIR` / `--shapes dsv4-flash|dsv4-pro` (clap checked the names).
+    pub fn from_args(model: Option<std::path::PathBuf>, shapes: Option<&str>) -> ShapeSet {
+        match (model, shapes) {
+            (Some(dir), _) => ShapeSet::Model(dir),
+            (None, Some("dsv4-flash")) => ShapeSet::Dsv4Flash,
+            (None, Some("dsv4-pro")) => ShapeSet::Dsv4Pro,
+            _ => ShapeSet::Default,
+        }
+    }
+}
+
 /// DeepSeek V4 Flash's config.json (shapes only), built in.
 const DSV4_FLASH_CONFIG: &str = include_str!("../fixtures/configs/deepseek-v4-flash.json");
 /// DeepSeek V4 Pro's shapes (see fixtures/configs/README.md), built in.
@@ -317,7 +329,7 @@ fn model_cases(
 }
 
 /// The cases of a shape set for the selected formats; (format, rows, cols, origin).
-fn shape_cases(
+pub(crate) fn shape_cases(
     set: &ShapeSet,
     formats: &[Format],
 ) -> Result<Vec<(Format, usize, usize, String)>, String> {

@@ -143,6 +143,27 @@ pub struct NumericsArgs {
     /// token-exact (the error bound is in src/q8.rs and tested).
     #[arg(long, value_name = "ACT", value_enum, default_value_t = crate::q8::Fp4Act::F32)]
     pub fp4_act: crate::q8::Fp4Act,
+    /// `cuda` builds with a GPU: the VRAM budget in GiB for the weights put
+    /// on the GPU (dense matrices first, then the most used routed experts of
+    /// each layer, counted in <model>/.bespoke/expert-usage.json). Default:
+    /// the GPU's free memory less 1 GiB. 0 keeps every weight on the CPU.
+    #[arg(long, value_name = "GB")]
+    pub vram: Option<f64>,
+}
+
+/// Save the routed-expert counts next to the model (MoE models; not with
+/// BESPOKE_USAGE=off), so the next run's VRAM tier knows the hot experts.
+pub fn save_usage(m: &ModelDir, eng: &AnyModel) {
+    let counts = eng.usage().snapshot();
+    if counts.iter().all(|l| l.is_empty())
+        || std::env::var("BESPOKE_USAGE").is_ok_and(|v| v.eq_ignore_ascii_case("off"))
+    {
+        return;
+    }
+    match crate::placement::save_usage(&m.dir, counts) {
+        Ok(p) => eprintln!("expert usage: saved to {}", p.display()),
+        Err(e) => eprintln!("note: expert usage not saved: {e}"),
+    }
 }
 
 fn has_fp4(m: &ModelDir) -> bool {
@@ -158,6 +179,24 @@ pub fn engine<'m>(m: &'m ModelDir, k: Kernels, num: NumericsArgs) -> Result<AnyM
         eprintln!("note: --fp4-act q8 changes nothing here: this model has no FP4 weights");
     }
     let mut eng = AnyModel::load(m, k).map_err(|e| e.to_string())?;
+    let experts: Vec<usize> = eng.usage().snapshot().iter().map(Vec::len).collect();
+    if experts.iter().any(|&e| e > 0) {
+        match crate::placement::load_usage(&m.dir, &experts) {
+            Ok(Some(u)) => eng.usage().add(&u),
+            Ok(None) => {}
+            Err(e) => eprintln!("note: expert usage not loaded: {e}"),
+        }
+    }
+    if let Some(v) = num.vram {
+        if !(v >= 0.0 && v.is_finite()) {
+            return Err(format!("--vram {v}: expected a size in GiB, 0 or more"));
+        }
+    }
+    match crate::gpu::place_model(&mut eng, num.vram) {
+        Ok(Some(line)) => eprintln!("{line}"),
+        Ok(None) => {}
+        Err(e) => eprintln!("CUDA: VRAM tier not used: {e}; running on the CPU"),
+    }
     if num.numerics == NumericsArg::Deepseek {
         match &mut eng {
             AnyModel::Dsv4(d) => d.numerics = crate::engine::dsv4::Numerics::DeepSeek,
@@ -380,6 +419,7 @@ pub fn run(a: RunArgs) -> Result<(), String> {
         g.stop_reason,
         rayon::current_num_threads()
     );
+    save_usage(&m, &eng);
     Ok(())
 }
 

@@ -75,6 +75,30 @@ impl<'m> AnyModel<'m> {
         }
     }
 
+    /// Send products on matrices resident in VRAM tier `id` to the GPU.
+    pub fn set_tier(&mut self, id: u32) {
+        match self {
+            AnyModel::Llama(m) => m.kernels = m.kernels.with_tier(id),
+            AnyModel::Dsv4(m) => m.kernels = m.kernels.with_tier(id),
+        }
+    }
+
+    /// Routed-expert selections so far (all zero for dense models).
+    pub fn usage(&self) -> &crate::placement::UsageCounter {
+        match self {
+            AnyModel::Llama(m) => &m.usage,
+            AnyModel::Dsv4(m) => &m.usage,
+        }
+    }
+
+    /// The matrices the VRAM tier can place (see [`crate::placement`]).
+    pub fn placement_items(&self) -> Vec<(crate::placement::Item, Vec<&crate::engine::Mat<'m>>)> {
+        match self {
+            AnyModel::Llama(m) => m.placement_items(),
+            AnyModel::Dsv4(m) => m.placement_items(),
+        }
+    }
+
     /// Weight bytes one decoded token reads, where the engine can say.
     pub fn bytes_per_token(&self) -> Option<u64> {
         match self {

@@ -60,6 +60,16 @@ pub fn images() -> &'static [Image] {
     IMAGES
 }
 
+/// A matrix's weight and scale bytes, as the GPU kernels take them.
+pub fn matrix_bytes<'a>(m: &crate::Matrix<'a>) -> (&'a [u8], &'a [u8]) {
+    use crate::Weights;
+    match m.weights() {
+        Weights::F32(w) => (bytemuck::cast_slice(w), &[]),
+        Weights::Bf16(w) => (bytemuck::cast_slice(w), &[]),
+        Weights::Fp8 { w, scale } | Weights::Fp4 { w, scale } => (w, scale),
+    }
+}
+
 /// `BESPOKE_CUDA=off` keeps a `cuda` build on the CPU.
 fn disabled() -> bool {
     std::env::var("BESPOKE_CUDA")
@@ -147,6 +157,8 @@ mod imp {
         pub format: Format,
         pub rows: usize,
         pub cols: usize,
+        /// Device bytes (weights + scales).
+        pub bytes: usize,
     }
 
     impl Gpu {
@@ -165,6 +177,7 @@ mod imp {
             rows: usize,
             cols: usize,
         ) -> Result<DevMat, String> {
+            let bytes = w.len() + scale.len();
             let w = self
                 .stream
                 .clone_htod(w)
@@ -181,7 +194,14 @@ mod imp {
                 format,
                 rows,
                 cols,
+                bytes,
             })
+        }
+
+        /// Upload a checked matrix.
+        pub fn upload_matrix(&self, m: &crate::Matrix) -> Result<DevMat, String> {
+            let (w, s) = matrix_bytes(m);
+            self.upload(m.format(), w, s, m.rows(), m.cols())
         }
 
         /// Y[n][rows] = W X[n][cols] with the CUDA-core kernel `kernel`
@@ -194,7 +214,7 @@ mod imp {
             x: &[f32],
             n: usize,
         ) -> Result<Vec<f32>, String> {
-            let f = self.function(kernel)?;
+            self.check_product(kernel, m, x.len(), n)?;
             let xd = self
                 .stream
                 .clone_htod(x)
@@ -203,11 +223,117 @@ mod imp {
                 .stream
                 .alloc_zeros::<f32>(m.rows * n)
                 .map_err(derr("allocating the output"))?;
+            self.launch(kernel, m, &xd, &mut y, n)?;
+            self.stream
+                .clone_dtoh(&y)
+                .map_err(derr("copying the result back"))
+        }
+
+        /// Seconds per call of `kernel` on `m` with n columns of X (inputs
+        /// uploaded once; `iters` launches, then one synchronize).
+        pub fn time_product(
+            &self,
+            kernel: &str,
+            m: &DevMat,
+            n: usize,
+            iters: usize,
+        ) -> Result<f64, String> {
+            self.check_product(kernel, m, n * m.cols, n)?;
+            let x: Vec<f32> = (0..n * m.cols)
+                .map(|i| ((i % 17) as f32 - 8.0) * 0.125)
+                .collect();
+            let xd = self
+                .stream
+                .clone_htod(&x)
+                .map_err(derr("copying activations"))?;
+            let mut y = self
+                .stream
+                .alloc_zeros::<f32>(m.rows * n)
+                .map_err(derr("allocating the output"))?;
+            self.launch(kernel, m, &xd, &mut y, n)?; // warm-up
+            self.synchronize()?;
+            let t = std::time::Instant::now();
+            for _ in 0..iters {
+                self.launch(kernel, m, &xd, &mut y, n)?;
+            }
+            self.synchronize()?;
+            Ok(t.elapsed().as_secs_f64() / iters.max(1) as f64)
+        }
+
+        /// Peak memory bandwidth from the device's memory clock and bus width, bytes/s.
+        pub fn peak_bandwidth(&self) -> Option<f64> {
+            use cudarc::driver::sys::CUdevice_attribute as A;
+            let clock_khz = self
+                .ctx
+                .attribute(A::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)
+                .ok()? as f64;
+            let bus_bits = self
+                .ctx
+                .attribute(A::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)
+                .ok()? as f64;
+            (clock_khz > 0.0 && bus_bits > 0.0).then(|| 2.0 * clock_khz * 1e3 * bus_bits / 8.0)
+        }
+
+        /// The checks that make a launch sound: X's length, n, the shapes the
+        /// tensor-core kernels need, the kernel's specialised shape.
+        fn check_product(
+            &self,
+            kernel: &str,
+            m: &DevMat,
+            x_len: usize,
+            n: usize,
+        ) -> Result<(), String> {
+            if n == 0 || x_len != n * m.cols {
+                return Err(format!(
+                    "{kernel}: X has {x_len} values, expected n × cols = {n} × {} (n ≥ 1)",
+                    m.cols
+                ));
+            }
+            if n > 1 && kernel.starts_with("bs_cu_matvec") {
+                return Err(format!(
+                    "{kernel}: a matvec kernel takes one column of X, not {n}"
+                ));
+            }
+            // bs_cu_<op>_<fmt>[_<rows>x<cols>] and bs_tc_<path>_<fmt>.
+            let parts: Vec<&str> = kernel.split('_').collect();
+            if parts.len() < 4 || parts[3] != m.format.name() {
+                return Err(format!("{kernel} does not take {} weights", m.format));
+            }
+            if let Some((r, c)) = parts.get(4).and_then(|s| s.split_once('x')) {
+                let shape = (r.parse::<usize>(), c.parse::<usize>());
+                if shape != (Ok(m.rows), Ok(m.cols)) {
+                    return Err(format!(
+                        "{kernel} is specialised for {r}×{c}, not {}×{}",
+                        m.rows, m.cols
+                    ));
+                }
+            }
+            if kernel.starts_with("bs_tc_") {
+                let k = if kernel == "bs_tc_mxf4_fp4" { 64 } else { 32 };
+                if m.cols % k != 0 {
+                    return Err(format!(
+                        "{kernel} needs cols a multiple of {k}, not {}",
+                        m.cols
+                    ));
+                }
+            }
+            Ok(())
+        }
+
+        fn launch(
+            &self,
+            kernel: &str,
+            m: &DevMat,
+            xd: &CudaSlice<f32>,
+            y: &mut CudaSlice<f32>,
+            n: usize,
+        ) -> Result<(), String> {
+            let f = self.function(kernel)?;
             let (rows, cols, nn) = (m.rows as i32, m.cols as i32, n as i32);
             let tc = kernel.starts_with("bs_tc_");
             let quantized = matches!(kernel, "bs_tc_q8_fp4" | "bs_tc_fp8_fp8" | "bs_tc_mxf4_fp4");
             let q = if quantized {
-                Some(self.quantize(kernel, &xd, m.cols, n)?)
+                Some(self.quantize(kernel, xd, m.cols, n)?)
             } else {
                 None
             };
@@ -228,19 +354,20 @@ mod imp {
             b.arg(&m.w).arg(&m.scale);
             match &q {
                 Some((codes, scales)) => b.arg(codes).arg(scales),
-                None => b.arg(&xd),
+                None => b.arg(xd),
             };
-            b.arg(&mut y).arg(&rows).arg(&cols);
+            b.arg(y).arg(&rows).arg(&cols);
             if kernel.contains("matmul") || tc {
                 b.arg(&nn);
             }
             // SAFETY: the kernel's parameters are exactly the ones pushed above
-            // (templates/cuda.cu.tera), every buffer holds what the grid reads
-            // and writes for these rows, cols and n, checked by the caller.
-            unsafe { b.launch(cfg) }.map_err(derr("launching the kernel"))?;
-            self.stream
-                .clone_dtoh(&y)
-                .map_err(derr("copying the result back"))
+            // (templates/cuda.cu.tera); m was uploaded from a checked Matrix
+            // (its weights and scales hold rows × cols in its format),
+            // check_product checked X (n × cols) and the kernel's format,
+            // shape and tile needs, and y holds n × rows.
+            unsafe { b.launch(cfg) }
+                .map(|_| ())
+                .map_err(derr("launching the kernel"))
         }
 
         /// Activations for the quantized tensor-core paths: (codes, scales).
@@ -362,6 +489,14 @@ mod imp {
                 .map_err(derr("copying the result back"))
         }
 
+        /// Free device memory now.
+        pub fn free_mem(&self) -> Result<usize, String> {
+            self.ctx
+                .mem_get_info()
+                .map(|(free, _)| free)
+                .map_err(derr("asking for free memory"))
+        }
+
         pub fn synchronize(&self) -> Result<(), String> {
             self.ctx.synchronize().map_err(derr("synchronizing"))
         }
@@ -370,6 +505,94 @@ mod imp {
 
 #[cfg(feature = "cuda")]
 pub use imp::{gpu, DevMat, Gpu};
+
+/// The VRAM tier: matrices made resident on the GPU, found again by the
+/// address and length of their weight bytes (the model's memory map, which
+/// outlives every call). [`crate::Kernels`] sends a product whose matrix is
+/// resident to the GPU and every other product to the CPU kernels.
+#[cfg(feature = "cuda")]
+pub mod tier {
+    use super::*;
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex, OnceLock};
+
+    /// (tier, address, length) of the weight bytes.
+    type Key = (u32, usize, usize);
+
+    struct Tiers {
+        next: u32,
+        map: HashMap<Key, Arc<DevMat>>,
+    }
+
+    fn tiers() -> &'static Mutex<Tiers> {
+        static M: OnceLock<Mutex<Tiers>> = OnceLock::new();
+        M.get_or_init(|| {
+            Mutex::new(Tiers {
+                next: 1,
+                map: HashMap::new(),
+            })
+        })
+    }
+
+    fn key(tier: u32, m: &crate::Matrix) -> Key {
+        let (w, _) = matrix_bytes(m);
+        (tier, w.as_ptr() as usize, w.len())
+    }
+
+    /// A new, empty tier; every earlier one is released (one model's weights
+    /// on the GPU at a time: kernels still naming an old tier find nothing
+    /// there and run on the CPU, so a freed and reused mapping can never
+    /// meet stale device copies).
+    pub fn new_tier() -> u32 {
+        let mut t = tiers().lock().unwrap_or_else(|e| e.into_inner());
+        t.map.clear();
+        let id = t.next;
+        t.next += 1;
+        id
+    }
+
+    /// Copy `m` to the GPU into `tier` (once). Err: no GPU, or out of memory.
+    pub fn make_resident(tier: u32, m: &crate::Matrix) -> Result<(), String> {
+        let g = gpu().map_err(str::to_string)?;
+        let k = key(tier, m);
+        if tiers()
+            .lock()
+            .map_err(|_| "tier lock poisoned")?
+            .map
+            .contains_key(&k)
+        {
+            return Ok(());
+        }
+        let d = Arc::new(g.upload_matrix(m)?);
+        tiers()
+            .lock()
+            .map_err(|_| "tier lock poisoned")?
+            .map
+            .insert(k, d);
+        Ok(())
+    }
+
+    pub fn resident(tier: u32, m: &crate::Matrix) -> Option<Arc<DevMat>> {
+        let t = tiers().lock().ok()?;
+        t.map.get(&key(tier, m)).cloned()
+    }
+
+    /// Bytes resident now.
+    pub fn bytes() -> u64 {
+        tiers()
+            .lock()
+            .map(|t| t.map.values().map(|d| d.bytes as u64).sum())
+            .unwrap_or(0)
+    }
+
+    /// Y = W X on the GPU for a resident matrix; `specialised`: the build has a
+    /// kernel for this shape. Err: the launch failed (the caller falls back).
+    pub fn matmul(d: &DevMat, specialised: bool, x: &[f32], n: usize) -> Result<Vec<f32>, String> {
+        let g = gpu().map_err(str::to_string)?;
+        let shape = specialised.then_some((d.rows, d.cols));
+        g.matmul(&core_kernel(d.format, n, shape), d, x, n)
+    }
+}
 
 /// One line for banners and `bespoke plan`: the device in use, or why the
 /// engine runs on the CPU.
@@ -392,6 +615,62 @@ pub fn status_line() -> String {
     {
         let _ = disabled;
         "CUDA: not built with CUDA (the `cuda` feature is off); running on the CPU".into()
+    }
+}
+
+/// Put the model's weights in the VRAM tier ([`crate::placement`]): Ok(None)
+/// when there is no GPU (the status line already said why) and no budget was
+/// asked for; Ok(Some(line)) says what went where.
+pub fn place_model(
+    eng: &mut crate::generate::AnyModel,
+    vram_gib: Option<f64>,
+) -> Result<Option<String>, String> {
+    #[cfg(feature = "cuda")]
+    {
+        let g = match imp::gpu() {
+            Ok(g) => g,
+            Err(_) if vram_gib.is_none() => return Ok(None),
+            Err(why) => return Err(format!("--vram given, but {why}")),
+        };
+        let free = g.free_mem().unwrap_or(g.total_mem) as u64;
+        let budget = match vram_gib {
+            Some(v) => (v * (1u64 << 30) as f64) as u64,
+            None => free.saturating_sub(1 << 30),
+        };
+        let id = tier::new_tier();
+        let p = {
+            let items = eng.placement_items();
+            let only: Vec<crate::placement::Item> = items.iter().map(|(i, _)| i.clone()).collect();
+            let p = crate::placement::place(&only, &eng.usage().snapshot(), budget.min(free));
+            for ((_, mats), on) in items.iter().zip(&p.on_gpu) {
+                if *on {
+                    for m in mats {
+                        let mm = m.matrix().map_err(|e| e.to_string())?;
+                        tier::make_resident(id, &mm)?;
+                    }
+                }
+            }
+            p
+        };
+        eng.set_tier(id);
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        Ok(Some(format!(
+            "CUDA: VRAM tier {:.2} GiB of a {:.2} GiB budget: {} of {} dense matrices, {} of {} routed experts (most used first per layer); the rest on the CPU",
+            gib(tier::bytes()),
+            gib(budget),
+            p.dense.0,
+            p.dense.1,
+            p.experts.0,
+            p.experts.1
+        )))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = eng;
+        match vram_gib {
+            Some(_) => Err("--vram: this build has no CUDA (build with --features cuda)".into()),
+            None => Ok(None),
+        }
     }
 }
 

@@ -290,6 +290,9 @@ pub struct AttnArgs<'a> {
 pub struct Kernels {
     isa: Isa,
     fp4_act: Fp4Act,
+    /// The VRAM tier these kernels send resident matrices to (0: none; see
+    /// [`crate::gpu::tier`]).
+    tier: u32,
 }
 
 /// Why a variant was chosen (for `bespoke plan` and the run banner).
@@ -332,6 +335,7 @@ impl Kernels {
         Ok(Kernels {
             isa,
             fp4_act: Fp4Act::F32,
+            tier: 0,
         })
     }
 
@@ -346,6 +350,7 @@ impl Kernels {
         Kernels {
             isa,
             fp4_act: Fp4Act::F32,
+            tier: 0,
         }
     }
 
@@ -397,6 +402,16 @@ impl Kernels {
 
     pub fn fp4_act(&self) -> Fp4Act {
         self.fp4_act
+    }
+
+    /// These kernels with products on matrices resident in VRAM tier `tier`
+    /// sent to the GPU (0: none).
+    pub fn with_tier(self, tier: u32) -> Kernels {
+        Kernels { tier, ..self }
+    }
+
+    pub fn tier(&self) -> u32 {
+        self.tier
     }
 
     /// The fp4×q8 kernel for a shape: specialised when the build made one.
@@ -543,8 +558,42 @@ impl Kernels {
             .expect("build.rs emits a generic attention kernel for every compiled ISA")
     }
 
+    /// A product whose matrix is resident on the GPU (the `cuda` build's VRAM
+    /// tier, [`crate::gpu::tier`]) runs there: Some(result). None: it runs on
+    /// the CPU (not resident, or the GPU call failed, which is said once).
+    #[cfg(feature = "cuda")]
+    fn on_gpu(&self, m: &Matrix, x: &[f32], n: usize, y: &mut [f32]) -> Option<()> {
+        if self.tier == 0 {
+            return None;
+        }
+        let d = crate::gpu::tier::resident(self.tier, m)?;
+        if x.len() != n * m.cols || y.len() != n * m.rows {
+            return None; // the CPU path reports the length error
+        }
+        let specialised = self
+            .mat_kernel_specialised(m.format(), m.rows, m.cols)
+            .is_some();
+        match crate::gpu::tier::matmul(&d, specialised, x, n) {
+            Ok(v) => {
+                y.copy_from_slice(&v);
+                Some(())
+            }
+            Err(e) => {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| {
+                    eprintln!("CUDA: a GPU product failed ({e}); running it on the CPU")
+                });
+                None
+            }
+        }
+    }
+
     /// y = W x.
     pub fn matvec(&self, m: &Matrix, x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
+        #[cfg(feature = "cuda")]
+        if self.on_gpu(m, x, 1, y).is_some() {
+            return Ok(());
+        }
         if self.fp4_act == Fp4Act::Q8 && m.format() == Format::Fp4 {
             return self.matmul_q8(m, x, 1, y);
         }
@@ -559,6 +608,10 @@ impl Kernels {
         n: usize,
         y: &mut [f32],
     ) -> Result<(), KernelError> {
+        #[cfg(feature = "cuda")]
+        if self.on_gpu(m, x, n, y).is_some() {
+            return Ok(());
+        }
         if self.fp4_act == Fp4Act::Q8 && m.format() == Format::Fp4 {
             return self.matmul_q8(m, x, n, y);
         }

@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod bench_compare;
 pub mod bench_e2e;
+pub mod bench_gpu;
 pub mod bench_plot;
 pub mod chat;
 pub mod commands;
@@ -15,6 +16,7 @@ pub mod gpu;
 pub mod inspect;
 pub mod kernels;
 pub mod model;
+pub mod placement;
 #[path = "plan/mod.rs"]
 pub mod plan;
 pub mod q8;

@@ -745,3 +745,87 @@ fn deepseek_numerics_flag() {
     let (ok, _, err) = run(&["score", "--ids", "1,2", "--numerics", "deepseek"]);
     assert!(!ok && err.contains("applies to DeepSeek V4"), "{err}");
 }
+
+/// `bench gpu` with no GPU (or no CUDA in the build) says why and fails.
+#[test]
+fn bench_gpu_without_a_gpu_says_why() {
+    let out = bespoke_command()
+        .args(["bench", "gpu", "--quick"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    if cfg!(feature = "cuda") && out.status.success() {
+        return; // a machine with a GPU: tests/gpu.rs covers it
+    }
+    assert!(!out.status.success());
+    let want = if cfg!(feature = "cuda") {
+        "bench gpu: no NVIDIA driver library"
+    } else {
+        "this build has no CUDA"
+    };
+    assert!(err.contains(want), "{err}");
+}
+
+/// Routed-expert usage is counted and saved next to the model, and adds up
+/// across runs; BESPOKE_USAGE=off leaves no file.
+#[test]
+fn expert_usage_is_saved_next_to_the_model() {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-qwen3-moe");
+    let dir = std::env::temp_dir().join(format!("bespoke-usage-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(&src).unwrap().flatten() {
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+        }
+    }
+    let run = |usage_off: bool| {
+        let mut c = bespoke_command();
+        c.args([
+            "run",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            "1,2,3,4",
+            "--max-new-tokens",
+            "3",
+        ]);
+        if usage_off {
+            c.env("BESPOKE_USAGE", "off");
+        }
+        let out = c.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let file = dir.join(".bespoke/expert-usage.json");
+    run(true);
+    assert!(!file.exists());
+    let err = run(false);
+    assert!(err.contains("expert usage: saved to"), "{err}");
+    let counts = |p: &std::path::Path| -> Vec<Vec<u64>> {
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+        serde_json::from_value(v["counts"].clone()).unwrap()
+    };
+    let first = counts(&file);
+    // 6 forwarded tokens (4 prompt + 2 decode steps) × top_k per MoE layer.
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let top_k = cfg["num_experts_per_tok"].as_u64().unwrap();
+    for l in first.iter().filter(|l| !l.is_empty()) {
+        assert_eq!(l.iter().sum::<u64>(), 6 * top_k, "{first:?}");
+    }
+    run(false);
+    let second = counts(&file);
+    for (a, b) in first.iter().zip(&second) {
+        for (x, y) in a.iter().zip(b) {
+            assert_eq!(2 * x, *y, "greedy runs route the same: counts double");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

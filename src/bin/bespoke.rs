@@ -166,6 +166,27 @@ enum BenchWhat {
         #[arg(long, value_name = "LIST")]
         formats: Option<String>,
     },
+    /// The CUDA kernels on this machine's GPU (`cuda` builds): per shape and
+    /// format, the CUDA-core matvec (generic and specialised) and matmul, and
+    /// every tensor-core path the loaded image has, with time per call, GB/s
+    /// of weights against the card's peak memory bandwidth, and GFLOP/s.
+    Gpu {
+        /// Time every matrix of this model instead of the default set.
+        #[arg(long, value_name = "DIR", conflicts_with = "shapes")]
+        model: Option<PathBuf>,
+        /// A built-in shape set: `dsv4-flash` or `dsv4-pro` (as for `bench kernels`).
+        #[arg(long, value_name = "SET", value_parser = ["dsv4-flash", "dsv4-pro"])]
+        shapes: Option<String>,
+        /// Formats (comma-separated: f32, bf16, fp8, fp4). Default: bf16,fp8,fp4.
+        #[arg(long, value_name = "LIST")]
+        formats: Option<String>,
+        /// Fewer repeats (smoke tests).
+        #[arg(long)]
+        quick: bool,
+        /// Also write the results as JSON to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -266,6 +287,33 @@ fn run(cli: Cli) -> Result<(), String> {
             Ok(())
         }
         Command::Bench {
+            what:
+                BenchWhat::Gpu {
+                    model,
+                    shapes,
+                    formats,
+                    quick,
+                    json,
+                },
+        } => {
+            let set = bench::ShapeSet::from_args(model, shapes.as_deref());
+            let mut fs = Vec::new();
+            for f in formats.as_deref().unwrap_or("bf16,fp8,fp4").split(',') {
+                let f = f.trim();
+                fs.push(plan::Format::parse(f).ok_or_else(|| {
+                    format!("--formats: unknown format {f:?} (f32, bf16, fp8, fp4)")
+                })?);
+            }
+            let r = bespoke::bench_gpu::bench_gpu(&set, &fs, quick)?;
+            print!("{}", bespoke::bench_gpu::table(&r));
+            if let Some(path) = json {
+                let text = serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?;
+                std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+                eprintln!("wrote {}", path.display());
+            }
+            Ok(())
+        }
+        Command::Bench {
             what: BenchWhat::Compare { a, b },
         } => {
             let (a, b) = (
@@ -300,12 +348,7 @@ fn run(cli: Cli) -> Result<(), String> {
                     format!("--formats: unknown format {s:?} (f32, bf16, fp8, fp4, fp4q8)")
                 })?);
             }
-            let shapes = match (model, shapes.as_deref()) {
-                (Some(dir), _) => bench::ShapeSet::Model(dir),
-                (None, Some("dsv4-flash")) => bench::ShapeSet::Dsv4Flash,
-                (None, Some("dsv4-pro")) => bench::ShapeSet::Dsv4Pro,
-                _ => bench::ShapeSet::Default,
-            };
+            let shapes = bench::ShapeSet::from_args(model, shapes.as_deref());
             let opts = bench::Options {
                 threads: n,
                 quick,

@@ -340,6 +340,8 @@ pub struct Dsv4Model<'m> {
     /// Whose numerics to follow where transformers and DeepSeek's own
     /// inference code differ (default: transformers, the oracle).
     pub numerics: Numerics,
+    /// Routed-expert selections per layer (the VRAM tier's input).
+    pub usage: crate::placement::UsageCounter,
 }
 
 /// Where transformers' `DeepseekV4ForCausalLM` and DeepSeek's reference
@@ -590,7 +592,9 @@ impl<'m> Dsv4Model<'m> {
                 moe,
             });
         }
+        let experts_per_layer: Vec<usize> = layers.iter().map(|l| l.moe.experts.len()).collect();
         Ok(Dsv4Model {
+            usage: crate::placement::UsageCounter::new(&experts_per_layer),
             model,
             kernels,
             embed: load("embed.weight")?,
@@ -675,6 +679,45 @@ impl<'m> Dsv4Model<'m> {
 
     pub fn vocab(&self) -> usize {
         self.vocab
+    }
+
+    /// Every matrix product's weights, as the VRAM tier places them: dense
+    /// items (attention, compressors, indexers, mixers, routers, shared
+    /// experts, the head) and routed experts.
+    pub fn placement_items(&self) -> Vec<(crate::placement::Item, Vec<&Mat<'m>>)> {
+        use crate::placement::Item;
+        let mut items = Vec::new();
+        let routed: std::collections::HashSet<*const Mat<'m>> = self
+            .layers
+            .iter()
+            .flat_map(|l| l.moe.experts.iter().flatten())
+            .map(|m| m as *const _)
+            .collect();
+        for m in self.mats() {
+            if std::ptr::eq(m, &self.embed) || routed.contains(&(m as *const Mat<'m>)) {
+                continue;
+            }
+            items.push((
+                Item::Dense {
+                    name: m.name.clone(),
+                    bytes: m.bytes(),
+                },
+                vec![m],
+            ));
+        }
+        for (li, l) in self.layers.iter().enumerate() {
+            for (e, ms) in l.moe.experts.iter().enumerate() {
+                items.push((
+                    Item::Expert {
+                        layer: li,
+                        expert: e,
+                        bytes: ms.iter().map(|m| m.bytes()).sum(),
+                    },
+                    ms.iter().collect(),
+                ));
+            }
+        }
+        items
     }
 
     fn mats(&self) -> Vec<&Mat<'m>> {
@@ -869,7 +912,7 @@ impl<'m> Dsv4Model<'m> {
             }
         }
         let pos0 = cache.len;
-        for (layer, state) in self.layers.iter().zip(cache.layers.iter_mut()) {
+        for (li, (layer, state)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
             let HcMix { pre, post, comb } = self.hc_weights(&layer.attn_hc, &x, n)?;
             let mut a = self.collapse(&pre, &x, n);
             rms_norm(&mut a, &layer.attn_norm, self.eps);
@@ -879,7 +922,7 @@ impl<'m> Dsv4Model<'m> {
             let HcMix { pre, post, comb } = self.hc_weights(&layer.ffn_hc, &x, n)?;
             let mut f = self.collapse(&pre, &x, n);
             rms_norm(&mut f, &layer.ffn_norm, self.eps);
-            let o = self.moe(&layer.moe, &f, tokens)?;
+            let o = self.moe(li, &layer.moe, &f, tokens)?;
             self.expand(&post, &comb, &mut x, &o, n);
         }
         cache.len += n;
@@ -1116,7 +1159,7 @@ impl<'m> Dsv4Model<'m> {
 
     /// The MoE sub-block: routed experts (hash- or score-selected) plus the
     /// shared expert. Returns [n, D].
-    fn moe(&self, m: &Moe, x: &[f32], tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+    fn moe(&self, li: usize, m: &Moe, x: &[f32], tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
         let k = &self.kernels;
         let (d, n) = (self.d, tokens.len());
         let e_n = m.experts.len();
@@ -1157,6 +1200,7 @@ impl<'m> Dsv4Model<'m> {
             if group.is_empty() {
                 continue;
             }
+            self.usage.record(li, e, group.len());
             let g = group.len();
             xe.clear();
             for &(t, _) in group {

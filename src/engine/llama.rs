@@ -64,6 +64,8 @@ pub struct LlamaModel<'m> {
     kv_heads: usize,
     head_dim: usize,
     vocab: usize,
+    /// Routed-expert selections per layer (MoE models; the VRAM tier's input).
+    pub usage: crate::placement::UsageCounter,
 }
 
 impl<'m> LlamaModel<'m> {
@@ -163,7 +165,15 @@ impl<'m> LlamaModel<'m> {
                 mlp,
             });
         }
+        let experts_per_layer: Vec<usize> = layers
+            .iter()
+            .map(|l| match &l.mlp {
+                Mlp::Moe { experts, .. } => experts.len(),
+                Mlp::Dense { .. } => 0,
+            })
+            .collect();
         Ok(LlamaModel {
+            usage: crate::placement::UsageCounter::new(&experts_per_layer),
             model,
             kernels,
             embed,
@@ -178,6 +188,47 @@ impl<'m> LlamaModel<'m> {
             head_dim: hd,
             vocab: c.vocab_size,
         })
+    }
+
+    /// Every matrix product's weights, as the VRAM tier places them: dense
+    /// items (attention, dense MLPs, routers, the head) and routed experts.
+    pub fn placement_items(&self) -> Vec<(crate::placement::Item, Vec<&Mat<'m>>)> {
+        use crate::placement::Item;
+        let dense = |m: &'_ Mat<'m>| Item::Dense {
+            name: m.name.clone(),
+            bytes: m.bytes(),
+        };
+        let mut items = Vec::new();
+        for (li, l) in self.layers.iter().enumerate() {
+            for m in [&l.q, &l.k, &l.v, &l.o] {
+                items.push((dense(m), vec![m]));
+            }
+            match &l.mlp {
+                Mlp::Dense { gate, up, down } => {
+                    for m in [gate, up, down] {
+                        items.push((dense(m), vec![m]));
+                    }
+                }
+                Mlp::Moe {
+                    router, experts, ..
+                } => {
+                    items.push((dense(router), vec![router]));
+                    for (e, ms) in experts.iter().enumerate() {
+                        let bytes = ms.iter().map(|m| m.bytes()).sum();
+                        items.push((
+                            Item::Expert {
+                                layer: li,
+                                expert: e,
+                                bytes,
+                            },
+                            ms.iter().collect(),
+                        ));
+                    }
+                }
+            }
+        }
+        items.push((dense(&self.head), vec![&self.head]));
+        items
     }
 
     pub fn vocab(&self) -> usize {
@@ -337,7 +388,7 @@ impl<'m> LlamaModel<'m> {
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             hbuf.copy_from_slice(&x);
             rms_norm(&mut hbuf, &layer.post_norm, self.eps);
-            self.mlp(&layer.mlp, &hbuf, n, &mut o)?;
+            self.mlp(li, &layer.mlp, &hbuf, n, &mut o)?;
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
         }
         cache.len += n;
@@ -368,7 +419,14 @@ impl<'m> LlamaModel<'m> {
         })
     }
 
-    fn mlp(&self, mlp: &Mlp, x: &[f32], n: usize, out: &mut [f32]) -> Result<(), EngineError> {
+    fn mlp(
+        &self,
+        li: usize,
+        mlp: &Mlp,
+        x: &[f32],
+        n: usize,
+        out: &mut [f32],
+    ) -> Result<(), EngineError> {
         let k = &self.kernels;
         let d = self.d;
         match mlp {
@@ -412,6 +470,7 @@ impl<'m> LlamaModel<'m> {
                     if group.is_empty() {
                         continue;
                     }
+                    self.usage.record(li, ei, group.len());
                     let m = group.len();
                     xe.clear();
                     for &(t, _) in group {

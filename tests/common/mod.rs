@@ -128,7 +128,18 @@ pub fn check_model(name: &str) {
     let ks = variants();
     assert!(!ks.is_empty(), "no kernel variant runs on this CPU");
     for k in ks {
-        let eng = AnyModel::load(&m, k).unwrap();
+        #[allow(unused_mut)]
+        let mut eng = AnyModel::load(&m, k).unwrap();
+        // tools/gpu-check.sh: the same oracle checks with the weights in VRAM.
+        #[cfg(feature = "cuda")]
+        if let Ok(v) = std::env::var("BESPOKE_TEST_VRAM") {
+            let line = bespoke::gpu::place_model(
+                &mut eng,
+                Some(v.parse().expect("BESPOKE_TEST_VRAM: GiB")),
+            )
+            .expect("VRAM tier");
+            eprintln!("{name}: {}", line.unwrap_or_default());
+        }
         assert!(
             eng.weights_in_place(),
             "{name}: weights must be read from the mapping"

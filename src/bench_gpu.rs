@@ -1,0 +1,191 @@
+//! `bespoke bench gpu`: the CUDA kernels at the benchmark's shapes on the GPU
+//! in this machine: time per call, GB/s of weights read against the card's
+//! peak memory bandwidth (memory clock × bus width), and GFLOP/s for the
+//! batched and tensor-core paths.
+
+use crate::bench::ShapeSet;
+use crate::plan::Format;
+use serde::Serialize;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct GpuRow {
+    pub format: String,
+    pub rows: usize,
+    pub cols: usize,
+    pub kernel: String,
+    pub n: usize,
+    pub us: f64,
+    pub gbps: f64,
+    /// Weight GB/s ÷ peak bandwidth (None when the device does not say).
+    pub frac_peak: Option<f64>,
+    pub gflops: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct GpuReport {
+    pub device: String,
+    pub image: String,
+    pub peak_gbps: Option<f64>,
+    pub rows: Vec<GpuRow>,
+}
+
+/// Deterministic weights of `format` (valid codes, moderate scales).
+fn weights(format: Format, rows: usize, cols: usize) -> (Vec<u8>, Vec<u8>) {
+    let mut s = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let bytes = rows * format.row_bytes(cols);
+    let mut w: Vec<u8> = (0..bytes).map(|_| next() as u8).collect();
+    match format {
+        // Finite values: clear the exponent's top bit of each f32 / bf16.
+        Format::F32 => w.chunks_exact_mut(4).for_each(|c| c[3] &= 0xBF),
+        Format::Bf16 => w.chunks_exact_mut(2).for_each(|c| c[1] &= 0xBF),
+        Format::Fp8 => w.iter_mut().for_each(|b| {
+            if *b & 0x7F == 0x7F {
+                *b = 0x7E
+            }
+        }),
+        Format::Fp4 => {}
+    }
+    let scale = match format.scale_shape(rows, cols) {
+        Some((r, c)) => (0..r * c).map(|_| 120 + (next() % 12) as u8).collect(),
+        None => Vec::new(),
+    };
+    (w, scale)
+}
+
+pub fn bench_gpu(set: &ShapeSet, formats: &[Format], quick: bool) -> Result<GpuReport, String> {
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (set, formats, quick);
+        Err("bench gpu: this build has no CUDA (build with --features cuda)".into())
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let g = crate::gpu::gpu().map_err(|why| format!("bench gpu: {why}"))?;
+        let plan = crate::report::build_plan();
+        let tc_on = |key: &str| {
+            plan.cuda
+                .as_ref()
+                .and_then(|c| c.archs.iter().find(|a| a.arch.name() == g.image.arch))
+                .map(|a| a.tc.iter().any(|d| d.on && d.path.key() == key))
+                .unwrap_or(false)
+        };
+        let peak = g.peak_bandwidth();
+        let iters = if quick { 5 } else { 50 };
+        let mut rows_out = Vec::new();
+        let cases = crate::bench::shape_cases(set, formats)?;
+        eprintln!(
+            "GPU: {} (sm_{}{}, image {}), peak memory bandwidth {}",
+            g.name,
+            g.cc.0,
+            g.cc.1,
+            g.image.arch,
+            peak.map_or("unknown".into(), |p| format!("{:.0} GB/s", p / 1e9))
+        );
+        for (i, (format, rows, cols, _origin)) in cases.iter().enumerate() {
+            let (format, rows, cols) = (*format, *rows, *cols);
+            eprint!(
+                "\r[{}/{}] {format} {rows}x{cols}          ",
+                i + 1,
+                cases.len()
+            );
+            let (w, s) = weights(format, rows, cols);
+            let d = g.upload(format, &w, &s, rows, cols)?;
+            let wbytes = (w.len() + s.len()) as f64;
+            let specialised = plan
+                .mat_shapes
+                .iter()
+                .any(|m| (m.format, m.rows, m.cols) == (format, rows, cols));
+            let mut kernels: Vec<(String, usize)> =
+                vec![(crate::gpu::core_kernel(format, 1, None), 1)];
+            if specialised {
+                kernels.push((crate::gpu::core_kernel(format, 1, Some((rows, cols))), 1));
+            }
+            kernels.push((crate::gpu::core_kernel(format, 8, None), 8));
+            if cols % 32 == 0 {
+                for n in [8usize, 64] {
+                    if tc_on("mma_bf16") {
+                        kernels.push((format!("bs_tc_bf16_{}", format.name()), n));
+                    }
+                    if tc_on("wgmma") {
+                        kernels.push((format!("bs_tc_wgmma_{}", format.name()), n));
+                    }
+                    if format == Format::Fp8 && tc_on("mma_fp8") {
+                        kernels.push(("bs_tc_fp8_fp8".into(), n));
+                    }
+                    if format == Format::Fp4 && tc_on("mma_int8") {
+                        kernels.push(("bs_tc_q8_fp4".into(), n));
+                    }
+                    if format == Format::Fp4 && tc_on("mma_mxf4") && cols % 64 == 0 {
+                        kernels.push(("bs_tc_mxf4_fp4".into(), n));
+                    }
+                }
+            }
+            for (k, n) in kernels {
+                let t = g.time_product(&k, &d, n, iters)?;
+                let gbps = wbytes / t / 1e9;
+                rows_out.push(GpuRow {
+                    format: format.name().into(),
+                    rows,
+                    cols,
+                    kernel: k,
+                    n,
+                    us: t * 1e6,
+                    gbps,
+                    frac_peak: peak.map(|p| gbps * 1e9 / p),
+                    gflops: 2.0 * (rows * cols * n) as f64 / t / 1e9,
+                });
+            }
+        }
+        eprintln!();
+        Ok(GpuReport {
+            device: g.name.clone(),
+            image: g.image.arch.to_string(),
+            peak_gbps: peak.map(|p| p / 1e9),
+            rows: rows_out,
+        })
+    }
+}
+
+/// The terminal table.
+pub fn table(r: &GpuReport) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    writeln!(
+        out,
+        "{} ({}), peak {}",
+        r.device,
+        r.image,
+        r.peak_gbps
+            .map_or("unknown".into(), |p| format!("{p:.0} GB/s"))
+    )
+    .unwrap();
+    writeln!(
+        out,
+        "{:<5} {:>11} {:<32} {:>3} {:>10} {:>8} {:>7} {:>9}",
+        "fmt", "rows×cols", "kernel", "n", "µs", "GB/s", "% peak", "GFLOP/s"
+    )
+    .unwrap();
+    for x in &r.rows {
+        writeln!(
+            out,
+            "{:<5} {:>11} {:<32} {:>3} {:>10.2} {:>8.1} {:>7} {:>9.1}",
+            x.format,
+            format!("{}×{}", x.rows, x.cols),
+            x.kernel,
+            x.n,
+            x.us,
+            x.gbps,
+            x.frac_peak
+                .map_or("-".into(), |f| format!("{:.0}%", f * 100.0)),
+            x.gflops
+        )
+        .unwrap();
+    }
+    out
+}

@@ -1,0 +1,389 @@
+//! The CUDA kernels against the CPU reference, on a GPU (`cuda` builds).
+//!
+//! With no GPU (CI) there is nothing to run these kernels on: each test then
+//! checks that the runtime says why, in one line, and stops.
+//! `BESPOKE_REQUIRE_GPU=1` (tools/gpu-check.sh sets it) makes a missing GPU a
+//! failure instead.
+//!
+//! The GPU contract is a bound, not bit identity (the CUDA cores sum in a
+//! different order): |y_gpu - y_ref| <= (cols + 64) * 2^-24 * sum|w x| for the
+//! CUDA-core kernels; the tensor-core paths round their inputs (BF16, E4M3,
+//! MXFP4) and each has its own bound below. fp4×q8 on INT8 tensor cores is
+//! defined as the CPU's fp4×q8 and must match it bit for bit.
+#![cfg(feature = "cuda")]
+
+mod common;
+use bespoke::gpu;
+use bespoke::plan::Format;
+use bespoke::{Matrix, Weights};
+use common::Rng;
+
+/// The GPU, or None after checking the no-GPU reason (unless one is required).
+fn gpu_or_reason() -> Option<&'static gpu::Gpu> {
+    match gpu::gpu() {
+        Ok(g) => {
+            println!(
+                "GPU: {} sm_{}{} (image {})",
+                g.name, g.cc.0, g.cc.1, g.image.arch
+            );
+            Some(g)
+        }
+        Err(why) => {
+            assert!(
+                std::env::var("BESPOKE_REQUIRE_GPU").is_err(),
+                "BESPOKE_REQUIRE_GPU is set but: {why}"
+            );
+            // The reasons a GPU-less machine gives; anything else is a bug.
+            assert!(
+                why.contains("no NVIDIA driver library")
+                    || why.contains("no usable CUDA device")
+                    || why.contains("no GPU kernels")
+                    || why.contains("BESPOKE_CUDA=off"),
+                "unexpected reason: {why}"
+            );
+            println!("no GPU ({why}): GPU kernels not run");
+            None
+        }
+    }
+}
+
+struct Owned {
+    rows: usize,
+    cols: usize,
+    f32w: Vec<f32>,
+    bf16w: Vec<u16>,
+    bytes: Vec<u8>,
+    scale: Vec<u8>,
+    format: Format,
+}
+
+impl Owned {
+    fn new(format: Format, rows: usize, cols: usize, rng: &mut Rng) -> Owned {
+        let mut o = Owned {
+            rows,
+            cols,
+            f32w: vec![],
+            bf16w: vec![],
+            bytes: vec![],
+            scale: vec![],
+            format,
+        };
+        let sc = |rng: &mut Rng| 120 + rng.below(12) as u8;
+        match format {
+            Format::F32 => o.f32w = (0..rows * cols).map(|_| rng.unit()).collect(),
+            Format::Bf16 => {
+                o.bf16w = (0..rows * cols)
+                    .map(|_| bespoke::formats::f32_to_bf16(rng.unit()))
+                    .collect()
+            }
+            Format::Fp8 => {
+                // Any code but NaN (0x7F / 0xFF).
+                o.bytes = (0..rows * cols)
+                    .map(|_| {
+                        let b = rng.below(256) as u8;
+                        if b & 0x7F == 0x7F {
+                            0x7E
+                        } else {
+                            b
+                        }
+                    })
+                    .collect();
+                o.scale = (0..rows.div_ceil(128) * cols.div_ceil(128))
+                    .map(|_| sc(rng))
+                    .collect();
+            }
+            Format::Fp4 => {
+                o.bytes = (0..rows * cols / 2).map(|_| rng.below(256) as u8).collect();
+                o.scale = (0..rows * cols / 32).map(|_| sc(rng)).collect();
+            }
+        }
+        o
+    }
+    fn matrix(&self) -> Matrix<'_> {
+        let w = match self.format {
+            Format::F32 => Weights::F32(&self.f32w),
+            Format::Bf16 => Weights::Bf16(&self.bf16w),
+            Format::Fp8 => Weights::Fp8 {
+                w: &self.bytes,
+                scale: &self.scale,
+            },
+            Format::Fp4 => Weights::Fp4 {
+                w: &self.bytes,
+                scale: &self.scale,
+            },
+        };
+        Matrix::new(self.rows, self.cols, w).unwrap()
+    }
+}
+
+/// sum_c |w_rc x_c| for each output.
+fn magnitudes(m: &Matrix, x: &[f32], n: usize) -> Vec<f32> {
+    let (rows, cols) = (m.rows(), m.cols());
+    let mut out = vec![0f32; n * rows];
+    for j in 0..n {
+        for r in 0..rows {
+            let mut s = 0f64;
+            for c in 0..cols {
+                let w = bespoke::reference::weight(m, r, c) as f64 * scale_of(m, r, c) as f64;
+                s += (w * x[j * cols + c] as f64).abs();
+            }
+            out[j * rows + r] = s as f32;
+        }
+    }
+    out
+}
+
+fn scale_of(m: &Matrix, r: usize, c: usize) -> f32 {
+    match m.weights() {
+        Weights::Fp8 { scale, .. } => {
+            bespoke::formats::e8m0_to_f32(scale[(r / 128) * m.cols().div_ceil(128) + c / 128])
+        }
+        Weights::Fp4 { scale, .. } => {
+            bespoke::formats::e8m0_to_f32(scale[r * (m.cols() / 32) + c / 32])
+        }
+        _ => 1.0,
+    }
+}
+
+fn check(what: &str, got: &[f32], want: &[f32], mag: &[f32], rel: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let mut worst = 0f64;
+    for (i, ((&g, &w), &m)) in got.iter().zip(want).zip(mag).enumerate() {
+        let err = (g as f64 - w as f64).abs();
+        let bound = rel * m as f64 + 1e-30;
+        assert!(
+            err <= bound,
+            "{what}: output {i}: GPU {g} vs CPU {w} (|Δ| {err:e} > bound {bound:e})"
+        );
+        worst = worst.max(err / (m as f64).max(1e-30));
+    }
+    println!("{what}: ok, worst |Δ| / Σ|wx| = {worst:.2e} (bound {rel:.2e})");
+}
+
+const SHAPES: &[(usize, usize)] = &[(64, 64), (130, 256), (256, 1024), (1, 4096)];
+
+#[test]
+fn cuda_core_kernels_match_the_reference() {
+    let Some(g) = gpu_or_reason() else { return };
+    let mut rng = Rng(7);
+    for f in [Format::F32, Format::Bf16, Format::Fp8, Format::Fp4] {
+        for &(rows, cols) in SHAPES {
+            let o = Owned::new(f, rows, cols, &mut rng);
+            let m = o.matrix();
+            let d = g.upload_matrix(&m).unwrap();
+            for n in [1usize, 3, 9] {
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.unit() * 4.0).collect();
+                let want = bespoke::reference::matmul(&m, &x, n);
+                let mag = magnitudes(&m, &x, n);
+                let got = g.matmul(&gpu::core_kernel(f, n, None), &d, &x, n).unwrap();
+                let rel = (cols + 64) as f64 * 2f64.powi(-24);
+                check(
+                    &format!("{f} {rows}x{cols} n={n} CUDA cores"),
+                    &got,
+                    &want,
+                    &mag,
+                    rel,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn specialised_cuda_kernels_run_for_the_build_shapes() {
+    let Some(g) = gpu_or_reason() else { return };
+    let plan = bespoke::report::build_plan();
+    let mut rng = Rng(11);
+    // A few of the build's shapes per format (not the largest: the reference is slow).
+    for f in [Format::F32, Format::Bf16, Format::Fp8, Format::Fp4] {
+        for s in plan
+            .mat_shapes
+            .iter()
+            .filter(|s| s.format == f && s.rows * s.cols <= 1 << 20)
+            .take(2)
+        {
+            let o = Owned::new(f, s.rows, s.cols, &mut rng);
+            let m = o.matrix();
+            let d = g.upload_matrix(&m).unwrap();
+            for n in [1usize, 4] {
+                let x: Vec<f32> = (0..n * s.cols).map(|_| rng.unit()).collect();
+                let got = g
+                    .matmul(&gpu::core_kernel(f, n, Some((s.rows, s.cols))), &d, &x, n)
+                    .unwrap();
+                let rel = (s.cols + 64) as f64 * 2f64.powi(-24);
+                check(
+                    &format!("{f} {}x{} n={n} specialised", s.rows, s.cols),
+                    &got,
+                    &bespoke::reference::matmul(&m, &x, n),
+                    &magnitudes(&m, &x, n),
+                    rel,
+                );
+            }
+        }
+    }
+}
+
+/// Which tensor-core kernels the loaded image has (from the build plan).
+fn tc_on(g: &gpu::Gpu, key: &str) -> bool {
+    let plan = bespoke::report::build_plan();
+    plan.cuda
+        .as_ref()
+        .and_then(|c| c.archs.iter().find(|a| a.arch.name() == g.image.arch))
+        .map(|a| a.tc.iter().any(|d| d.on && d.path.key() == key))
+        .unwrap_or(false)
+}
+
+#[test]
+fn tensor_core_paths_match_within_their_bounds() {
+    let Some(g) = gpu_or_reason() else { return };
+    let mut rng = Rng(13);
+    let u = 2f64.powi(-24);
+    for &(rows, cols) in &[(64usize, 256usize), (130, 512), (256, 1024)] {
+        for n in [1usize, 8, 13] {
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.unit() * 4.0).collect();
+            for f in [Format::Bf16, Format::Fp8, Format::Fp4] {
+                let o = Owned::new(f, rows, cols, &mut rng);
+                let m = o.matrix();
+                let d = g.upload_matrix(&m).unwrap();
+                let want = bespoke::reference::matmul(&m, &x, n);
+                let mag = magnitudes(&m, &x, n);
+                // BF16 activations: one rounding (2^-8 relative) per product.
+                let bf16_rel = 2f64.powi(-8) + (cols + 64) as f64 * u;
+                for (key, kernel) in [("mma_bf16", "bs_tc_bf16_"), ("wgmma", "bs_tc_wgmma_")] {
+                    if tc_on(g, key) {
+                        let got = g
+                            .matmul(&format!("{kernel}{}", f.name()), &d, &x, n)
+                            .unwrap();
+                        check(
+                            &format!("{key} {f} {rows}x{cols} n={n}"),
+                            &got,
+                            &want,
+                            &mag,
+                            bf16_rel,
+                        );
+                    }
+                }
+                if f == Format::Fp8 && tc_on(g, "mma_fp8") {
+                    // E4M3 activations: 2^-4 relative per element.
+                    let got = g.matmul("bs_tc_fp8_fp8", &d, &x, n).unwrap();
+                    check(
+                        &format!("mma_fp8 {rows}x{cols} n={n}"),
+                        &got,
+                        &want,
+                        &mag,
+                        2f64.powi(-4) + 1e-5,
+                    );
+                }
+                if f == Format::Fp4 && tc_on(g, "mma_int8") {
+                    // Bit for bit the CPU's fp4×q8.
+                    let got = g.matmul("bs_tc_q8_fp4", &d, &x, n).unwrap();
+                    let mut a = bespoke::q8::Q8Act::default();
+                    for j in 0..n {
+                        a.quantize_from(&x[j * cols..(j + 1) * cols]).unwrap();
+                        for r in 0..rows {
+                            let cpu = bespoke::reference::q8_row_dot(&m, r, &a).unwrap();
+                            let gpu_v = got[j * rows + r];
+                            assert!(
+                                common::same(cpu, gpu_v),
+                                "mma_int8 {rows}x{cols} token {j} row {r}: GPU {gpu_v} vs CPU fp4×q8 {cpu}"
+                            );
+                        }
+                    }
+                    println!("mma_int8 {rows}x{cols} n={n}: bit-identical to the CPU fp4×q8");
+                }
+                if f == Format::Fp4 && tc_on(g, "mma_mxf4") {
+                    // MXFP4 activations: up to one E2M1 step (a quarter of the
+                    // block's max) per element.
+                    let got = g.matmul("bs_tc_mxf4_fp4", &d, &x, n).unwrap();
+                    check(
+                        &format!("mma_mxf4 {rows}x{cols} n={n}"),
+                        &got,
+                        &want,
+                        &mag,
+                        0.5,
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn attention_decode_matches_the_reference() {
+    let Some(g) = gpu_or_reason() else { return };
+    let mut rng = Rng(17);
+    for &(hd, h, kvh, t_len, window, sinks) in &[
+        (64usize, 8usize, 2usize, 37usize, 0usize, false),
+        (128, 4, 1, 300, 128, true),
+        (64, 8, 8, 1, 0, true),
+    ] {
+        let stride = kvh * hd;
+        let q: Vec<f32> = (0..h * hd).map(|_| rng.unit()).collect();
+        let k: Vec<f32> = (0..t_len * stride).map(|_| rng.unit()).collect();
+        let v: Vec<f32> = (0..t_len * stride).map(|_| rng.unit()).collect();
+        let s: Vec<f32> = (0..h).map(|_| rng.unit()).collect();
+        let args = bespoke::AttnArgs {
+            q: &q,
+            k: &k,
+            v: &v,
+            sinks: sinks.then_some(&s[..]),
+            n_heads: h,
+            n_kv_heads: kvh,
+            head_dim: hd,
+            kv_stride: stride,
+            t_len,
+            window,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        let want = bespoke::reference::attn_decode(&args);
+        let got = g
+            .attn_decode(
+                "bs_cu_attn_decode",
+                &q,
+                &k,
+                &v,
+                args.sinks,
+                h,
+                kvh,
+                hd,
+                stride,
+                t_len,
+                window,
+                args.scale,
+            )
+            .unwrap();
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5,
+                "attention hd{hd} h{h} kv{kvh} t{t_len}: out {i}: GPU {a} vs CPU {b}"
+            );
+        }
+        println!("attention hd{hd} h{h} kv{kvh} t{t_len} window {window} sinks {sinks}: ok");
+    }
+}
+
+/// The engine on the GPU: every matrix resident, the fixtures' greedy tokens
+/// as transformers made them.
+#[test]
+fn fixtures_are_token_exact_with_the_vram_tier() {
+    let Some(_) = gpu_or_reason() else { return };
+    for name in ["tiny-llama", "tiny-qwen3-moe", "tiny-dsv4"] {
+        let out = common::bespoke_command()
+            .args([
+                "score",
+                "--model",
+                &format!("fixtures/{name}"),
+                "--json",
+                "--vram",
+                "4",
+            ])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{name}: {err}");
+        assert!(err.contains("CUDA: VRAM tier"), "{name}: {err}");
+    }
+    // The oracle comparison itself runs in tests/engine.rs and tests/dsv4.rs
+    // (check_model) with BESPOKE_TEST_VRAM set by tools/gpu-check.sh.
+}

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# gpu-check: on a machine with an NVIDIA GPU, check the CUDA backend for real.
+#
+#   tools/gpu-check.sh [OUTDIR]
+#       build with --features cuda (BESPOKE_CUDA_ARCH default: native), then run
+#       everything below. Needs Rust, nvcc and a driver.
+#   tools/gpu-check.sh --package DIR
+#       no GPU needed: build the test binaries and `bespoke` for the GPU into
+#       DIR, for a GPU machine without Rust (set BESPOKE_CUDA_ARCH, e.g. sm_90a
+#       for an H100/H200; one arch keeps the binaries small).
+#   tools/gpu-check.sh --prebuilt DIR [OUTDIR]
+#       run the binaries a --package made (from the repository root).
+#
+# What runs, with a GPU required (BESPOKE_REQUIRE_GPU=1):
+#   * tests/gpu.rs: every CUDA-core kernel (4 formats, matvec and matmul,
+#     generic and specialised) and every tensor-core path the device's image
+#     has, against the CPU reference within their bounds; fp4×q8 on INT8
+#     tensor cores bit for bit; attention decode;
+#   * the fixture oracle tests (tests/engine.rs, tests/dsv4.rs) with every
+#     matrix in the VRAM tier (BESPOKE_TEST_VRAM): token-exact against
+#     transformers;
+#   * `bespoke plan`, and `bespoke bench gpu` (GB/s against the card's peak).
+# It writes OUTDIR/summary.md (default target/gpu-check) and the logs beside it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+tests=(gpu engine dsv4 cli)
+
+package() {
+  local dir=$1
+  mkdir -p "$dir"
+  export BESPOKE_CUDA_ARCH=${BESPOKE_CUDA_ARCH:-native}
+  local json
+  json=$(cargo test --release --features cuda --no-run --message-format=json "${tests[@]/#/--test=}" 2>/dev/null) || {
+    cargo test --release --features cuda --no-run "${tests[@]/#/--test=}"; exit 1; }
+  for t in "${tests[@]}"; do
+    exe=$(echo "$json" | grep -o "\"executable\":\"[^\"]*/deps/${t}-[^\"]*\"" | tail -1 | cut -d'"' -f4)
+    [ -n "$exe" ] || { echo "gpu-check: no test binary for $t" >&2; exit 1; }
+    cp "$exe" "$dir/test-$t"
+  done
+  cp target/release/bespoke "$dir/bespoke"
+  echo "$root" > "$dir/manifest_dir"
+  echo "gpu-check: packaged into $dir ($(du -sh "$dir" | cut -f1)); run tools/gpu-check.sh --prebuilt $dir on the GPU machine"
+}
+
+if [ "${1:-}" = "--package" ]; then
+  package "${2:?--package DIR}"
+  exit 0
+fi
+
+prebuilt=""
+if [ "${1:-}" = "--prebuilt" ]; then
+  prebuilt=${2:?--prebuilt DIR}
+  shift 2
+fi
+out=${1:-target/gpu-check}
+mkdir -p "$out"
+summary="$out/summary.md"
+fail=0
+
+{
+  echo "# bespoke gpu-check, $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo
+  echo '```'
+  nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv 2>&1 || echo "nvidia-smi failed"
+  echo '```'
+} > "$summary"
+
+if [ -n "$prebuilt" ]; then
+  # The binaries find the fixtures and `bespoke` where they were built.
+  baked=$(cat "$prebuilt/manifest_dir")
+  if [ "$baked" != "$root" ] && [ ! -e "$baked" ]; then
+    mkdir -p "$(dirname "$baked")" && ln -s "$root" "$baked"
+  fi
+  mkdir -p target/release
+  cp "$prebuilt/bespoke" target/release/bespoke
+  bin=target/release/bespoke
+  runtest() { "$prebuilt/test-$1" --test-threads=1 --nocapture; }
+else
+  export BESPOKE_CUDA_ARCH=${BESPOKE_CUDA_ARCH:-native}
+  if ! cargo build --release --features cuda > "$out/build.log" 2>&1; then
+    echo "build failed: see build.log" >> "$summary"; tail -30 "$out/build.log"; exit 1
+  fi
+  bin=target/release/bespoke
+  runtest() { cargo test --release --features cuda --test "$1" -- --test-threads=1 --nocapture; }
+fi
+
+export BESPOKE_REQUIRE_GPU=1 BESPOKE_TEST_VRAM=${BESPOKE_TEST_VRAM:-8}
+echo -e "\n## Tests (GPU required; fixture oracles with the weights in VRAM)\n" >> "$summary"
+for t in "${tests[@]}"; do
+  if runtest "$t" > "$out/test-$t.log" 2>&1; then r=passed; else r=FAILED; fail=1; fi
+  echo "- $t: $r — $(grep -E '^test result' "$out/test-$t.log" | tail -1)" >> "$summary"
+  grep -E "worst|bit-identical|ok \(|attention hd" "$out/test-$t.log" | sed 's/^/    /' >> "$summary"
+done
+
+echo -e "\n## bespoke plan (CUDA side)\n\n\`\`\`" >> "$summary"
+$bin plan 2>&1 | sed -n '/^CUDA build/,$p' >> "$summary"
+echo '```' >> "$summary"
+
+echo -e "\n## bespoke bench gpu\n\n\`\`\`" >> "$summary"
+if ! $bin bench gpu --json "$out/bench-gpu.json" >> "$summary" 2> "$out/bench-gpu.err"; then
+  fail=1; tail -5 "$out/bench-gpu.err" >> "$summary"
+fi
+echo '```' >> "$summary"
+cat "$summary"
+exit $fail
