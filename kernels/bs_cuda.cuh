@@ -67,27 +67,28 @@ __device__ __forceinline__ float bs_warp_max(float v)
     return v;
 }
 
-/* Sum / max over a block of blockDim.x threads (a multiple of 32, at most 1024). */
-__device__ __forceinline__ float bs_block_sum(float v, float *sh)
+/* Sum / max over a block of blockDim.x threads (a multiple of 32, at most
+ * 1024), through sh[32]; every thread gets the result. */
+struct BsSum {
+    __device__ float warp(float v) const { return bs_warp_sum(v); }
+    __device__ float identity() const { return 0.0f; }
+};
+struct BsMax {
+    __device__ float warp(float v) const { return bs_warp_max(v); }
+    __device__ float identity() const { return -__int_as_float(0x7F800000); }
+};
+
+template <class Op> __device__ __forceinline__ float bs_block_reduce(float v, float *sh, Op op)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = bs_warp_sum(v);
+    v = op.warp(v);
     __syncthreads();
     if (lane == 0) sh[warp] = v;
     __syncthreads();
-    float t = lane < nw ? sh[lane] : 0.0f;
-    return bs_warp_sum(t);
+    return op.warp(lane < nw ? sh[lane] : op.identity());
 }
 
-__device__ __forceinline__ float bs_block_max(float v, float *sh)
-{
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = bs_warp_max(v);
-    __syncthreads();
-    if (lane == 0) sh[warp] = v;
-    __syncthreads();
-    float t = lane < nw ? sh[lane] : -__int_as_float(0x7F800000);
-    return bs_warp_max(t);
-}
+__device__ __forceinline__ float bs_block_sum(float v, float *sh) { return bs_block_reduce(v, sh, BsSum()); }
+__device__ __forceinline__ float bs_block_max(float v, float *sh) { return bs_block_reduce(v, sh, BsMax()); }
 
 #endif

@@ -30,6 +30,7 @@ pub struct GpuReport {
 }
 
 /// Deterministic weights of `format` (valid codes, moderate scales).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn weights(format: Format, rows: usize, cols: usize) -> (Vec<u8>, Vec<u8>) {
     let mut s = 0x2545_F491_4F6C_DD1Du64;
     let mut next = move || {
