@@ -168,7 +168,8 @@ mod imp {
                 .map_err(|e| format!("kernel {name} in the {} image: {e}", self.image.arch))
         }
 
-        /// Upload one matrix (bytes as the CPU kernels take them).
+        /// Upload one matrix (bytes as the CPU kernels take them), checked
+        /// against rows × cols in the format's layout: every launch relies on it.
         pub fn upload(
             &self,
             format: Format,
@@ -177,6 +178,25 @@ mod imp {
             rows: usize,
             cols: usize,
         ) -> Result<DevMat, String> {
+            if let Some(p) = format.shape_problem(rows, cols) {
+                return Err(p);
+            }
+            if rows > i32::MAX as usize || cols > i32::MAX as usize {
+                return Err(format!(
+                    "{rows}×{cols}: the GPU kernels take dimensions below 2^31"
+                ));
+            }
+            let want_w = rows
+                .checked_mul(format.row_bytes(cols))
+                .ok_or("matrix size overflows")?;
+            let want_s = format.scale_shape(rows, cols).map_or(0, |(r, c)| r * c);
+            if w.len() != want_w || scale.len() != want_s {
+                return Err(format!(
+                    "{format} {rows}×{cols}: expected {want_w} weight and {want_s} scale bytes, found {} and {}",
+                    w.len(),
+                    scale.len()
+                ));
+            }
             let bytes = w.len() + scale.len();
             let w = self
                 .stream
@@ -283,7 +303,7 @@ mod imp {
             x_len: usize,
             n: usize,
         ) -> Result<(), String> {
-            if n == 0 || x_len != n * m.cols {
+            if n == 0 || n > i32::MAX as usize || x_len != n * m.cols {
                 return Err(format!(
                     "{kernel}: X has {x_len} values, expected n × cols = {n} × {} (n ≥ 1)",
                     m.cols
@@ -438,6 +458,40 @@ mod imp {
             window: usize,
             scale: f32,
         ) -> Result<Vec<f32>, String> {
+            // What the kernel reads, checked (the launch below relies on it).
+            let shaped = format!("bs_cu_attn_decode_d{head_dim}_h{n_heads}_kv{n_kv_heads}");
+            if kernel != "bs_cu_attn_decode" && kernel != shaped {
+                return Err(format!(
+                    "{kernel} is not the attention kernel for these shapes ({shaped})"
+                ));
+            }
+            let span = t_len
+                .checked_mul(kv_stride)
+                .ok_or("KV cache size overflows")?;
+            if [n_heads, head_dim, kv_stride, t_len, window]
+                .iter()
+                .any(|&v| v > i32::MAX as usize)
+            {
+                return Err("attention: the GPU kernel takes sizes below 2^31".into());
+            }
+            if head_dim == 0
+                || n_kv_heads == 0
+                || n_heads % n_kv_heads != 0
+                || kv_stride < n_kv_heads * head_dim
+                || q.len() != n_heads * head_dim
+                || k.len() < span
+                || v.len() < span
+                || sinks.is_some_and(|s| s.len() != n_heads)
+            {
+                return Err(format!(
+                    "attention: q {} (want {n_heads}×{head_dim}), k {} / v {} (want ≥ {t_len}×{kv_stride}), \
+                     {n_heads} heads over {n_kv_heads} KV heads, sinks {:?}",
+                    q.len(),
+                    k.len(),
+                    v.len(),
+                    sinks.map(<[f32]>::len)
+                ));
+            }
             let f = self.function(kernel)?;
             let up = |s: &[f32]| {
                 self.stream
@@ -481,7 +535,7 @@ mod imp {
                 shared_mem_bytes: 0,
             };
             // SAFETY: the arguments match bs_cu_attn_decode*; q, k, v hold what
-            // the shapes say (checked by the caller), sinks is n_heads long or
+            // the shapes say (checked above), sinks is n_heads long or
             // a null pointer, out and scratch are sized above.
             unsafe { b.launch(cfg) }.map_err(derr("launching attention"))?;
             self.stream
