@@ -217,14 +217,14 @@ pub fn read_bandwidth(bytes: usize, samples: usize) -> f64 {
 }
 
 /// Owned weights of one format filled with well-behaved values.
-struct Weights0 {
+pub(crate) struct Weights0 {
     f: Vec<f32>,
     h: Vec<u16>,
     b: Vec<u8>,
     s: Vec<u8>,
 }
 
-fn make_weights(format: Format, rows: usize, cols: usize, seed: u64) -> Weights0 {
+pub(crate) fn make_weights(format: Format, rows: usize, cols: usize, seed: u64) -> Weights0 {
     let n = rows * cols;
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut next = move || {
@@ -273,7 +273,7 @@ fn make_weights(format: Format, rows: usize, cols: usize, seed: u64) -> Weights0
     w
 }
 
-fn matrix(format: Format, rows: usize, cols: usize, w: &Weights0) -> Matrix<'_> {
+pub(crate) fn matrix(format: Format, rows: usize, cols: usize, w: &Weights0) -> Matrix<'_> {
     let ws = match format {
         Format::F32 => Weights::F32(&w.f),
         Format::Bf16 => Weights::Bf16(&w.h),

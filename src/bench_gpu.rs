@@ -29,36 +29,6 @@ pub struct GpuReport {
     pub rows: Vec<GpuRow>,
 }
 
-/// Deterministic weights of `format` (valid codes, moderate scales).
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn weights(format: Format, rows: usize, cols: usize) -> (Vec<u8>, Vec<u8>) {
-    let mut s = 0x2545_F491_4F6C_DD1Du64;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
-    let bytes = rows * format.row_bytes(cols);
-    let mut w: Vec<u8> = (0..bytes).map(|_| next() as u8).collect();
-    match format {
-        // Finite values: clear the exponent's top bit of each f32 / bf16.
-        Format::F32 => w.chunks_exact_mut(4).for_each(|c| c[3] &= 0xBF),
-        Format::Bf16 => w.chunks_exact_mut(2).for_each(|c| c[1] &= 0xBF),
-        Format::Fp8 => w.iter_mut().for_each(|b| {
-            if *b & 0x7F == 0x7F {
-                *b = 0x7E
-            }
-        }),
-        Format::Fp4 => {}
-    }
-    let scale = match format.scale_shape(rows, cols) {
-        Some((r, c)) => (0..r * c).map(|_| 120 + (next() % 12) as u8).collect(),
-        None => Vec::new(),
-    };
-    (w, scale)
-}
-
 pub fn bench_gpu(set: &ShapeSet, formats: &[Format], quick: bool) -> Result<GpuReport, String> {
     #[cfg(not(feature = "cuda"))]
     {
@@ -69,13 +39,7 @@ pub fn bench_gpu(set: &ShapeSet, formats: &[Format], quick: bool) -> Result<GpuR
     {
         let g = crate::gpu::gpu().map_err(|why| format!("bench gpu: {why}"))?;
         let plan = crate::report::build_plan();
-        let tc_on = |key: &str| {
-            plan.cuda
-                .as_ref()
-                .and_then(|c| c.archs.iter().find(|a| a.arch.name() == g.image.arch))
-                .map(|a| a.tc.iter().any(|d| d.on && d.path.key() == key))
-                .unwrap_or(false)
-        };
+        let tc_on = |key: &str| crate::gpu::image_has_tc(g.image.arch, key);
         let peak = g.peak_bandwidth();
         let iters = if quick { 5 } else { 50 };
         let mut rows_out = Vec::new();
@@ -95,9 +59,10 @@ pub fn bench_gpu(set: &ShapeSet, formats: &[Format], quick: bool) -> Result<GpuR
                 i + 1,
                 cases.len()
             );
-            let (w, s) = weights(format, rows, cols);
-            let d = g.upload(format, &w, &s, rows, cols)?;
-            let wbytes = (w.len() + s.len()) as f64;
+            let w = crate::bench::make_weights(format, rows, cols, i as u64 + 1);
+            let m = crate::bench::matrix(format, rows, cols, &w);
+            let d = g.upload_matrix(&m)?;
+            let wbytes = m.bytes() as f64;
             let specialised = plan
                 .mat_shapes
                 .iter()

@@ -4,6 +4,7 @@
 //! static library, run bindgen on the generated header, and write the Rust
 //! dispatch table and the plan the binary embeds.
 
+use crate::cuda_build::write_if_changed;
 use crate::plan::{self, Format, Isa, MatShape, Op, Plan, Tile, FORMATS};
 use serde::Serialize;
 use std::env;
@@ -255,11 +256,15 @@ pub fn build() -> BuildResult<()> {
         let path = root.join("templates").join(name);
         let text = fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         tera.add_raw_template(name, &text)
-            .map_err(|e| format!("templates/{name}: {}", tera_err(&e)))?;
+            .map_err(|e| format!("templates/{name}: {}", crate::cuda_build::err_chain(&e)))?;
     }
     let render = |name: &str, ctx: &tera::Context| -> BuildResult<String> {
-        tera.render(name, ctx)
-            .map_err(|e| format!("rendering templates/{name}: {}", tera_err(&e)))
+        tera.render(name, ctx).map_err(|e| {
+            format!(
+                "rendering templates/{name}: {}",
+                crate::cuda_build::err_chain(&e)
+            )
+        })
     };
 
     let mut mat_fns = Vec::new();
@@ -464,27 +469,6 @@ pub fn build() -> BuildResult<()> {
     let plan_json = serde_json::to_string_pretty(&the_plan).map_err(|e| e.to_string())?;
     write_if_changed(&out.join("plan.json"), &plan_json)?;
     Ok(())
-}
-
-fn tera_err(e: &tera::Error) -> String {
-    let mut msg = e.to_string();
-    let mut src = std::error::Error::source(e);
-    while let Some(s) = src {
-        msg += &format!(": {s}");
-        src = s.source();
-    }
-    msg
-}
-
-/// Write only when the content differs, so unchanged kernels are not recompiled.
-fn write_if_changed(path: &Path, text: &str) -> BuildResult<()> {
-    if fs::read_to_string(path)
-        .map(|old| old == text)
-        .unwrap_or(false)
-    {
-        return Ok(());
-    }
-    fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// Compile each ISA's sources with its own flags, then archive all objects

@@ -153,7 +153,8 @@ pub fn render(
         .map_err(|e| format!("rendering templates/cuda.cu.tera: {}", err_chain(&e)))
 }
 
-fn err_chain(e: &dyn std::error::Error) -> String {
+/// An error with its sources, for build messages.
+pub fn err_chain(e: &dyn std::error::Error) -> String {
     let mut msg = e.to_string();
     let mut src = e.source();
     while let Some(s) = src {
@@ -255,14 +256,15 @@ pub fn build(i: &CudaInputs, warnings: &mut Vec<String>) -> Result<(CudaPlan, St
             tk.version.0, tk.version.1, tk.installed.0, tk.installed.1
         ));
     }
+    let caps = native_caps();
     let spec = i.arch_spec.clone().unwrap_or_else(|| {
-        if native_caps().is_some() {
+        if caps.is_some() {
             "native".into()
         } else {
             "portable".into()
         }
     });
-    let archs = cuda::parse_arch_list(&spec, native_caps)?;
+    let archs = cuda::parse_arch_list(&spec, || caps)?;
     let template_path = i.root.join("templates/cuda.cu.tera");
     let template = fs::read_to_string(&template_path)
         .map_err(|e| format!("{}: {e}", template_path.display()))?;
@@ -387,7 +389,8 @@ fn table(images: &[(String, bool, PathBuf)]) -> String {
     t
 }
 
-fn write_if_changed(path: &Path, text: &str) -> Result<(), String> {
+/// Write only when the content differs, so unchanged sources are not recompiled.
+pub fn write_if_changed(path: &Path, text: &str) -> Result<(), String> {
     if fs::read_to_string(path).map(|o| o == text).unwrap_or(false) {
         return Ok(());
     }

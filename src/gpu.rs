@@ -70,7 +70,18 @@ pub fn matrix_bytes<'a>(m: &crate::Matrix<'a>) -> (&'a [u8], &'a [u8]) {
     }
 }
 
+/// Whether this build turned tensor-core path `key` (a `TcPath::key`) on for
+/// the image `arch` (from the plan the build embedded).
+pub fn image_has_tc(arch: &str, key: &str) -> bool {
+    crate::report::build_plan()
+        .cuda
+        .as_ref()
+        .and_then(|c| c.archs.iter().find(|a| a.arch.name() == arch))
+        .is_some_and(|a| a.tc.iter().any(|d| d.on && d.path.key() == key))
+}
+
 /// `BESPOKE_CUDA=off` keeps a `cuda` build on the CPU.
+#[cfg(feature = "cuda")]
 fn disabled() -> bool {
     std::env::var("BESPOKE_CUDA")
         .map(|v| v.eq_ignore_ascii_case("off") || v == "0")
@@ -667,7 +678,6 @@ pub fn status_line() -> String {
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = disabled;
         "CUDA: not built with CUDA (the `cuda` feature is off); running on the CPU".into()
     }
 }

@@ -69,18 +69,13 @@ pub struct Usage {
 
 pub const USAGE_FILE: &str = ".bespoke/expert-usage.json";
 
-/// Where a model's usage lives: next to it, or under the user cache when the
-/// model directory cannot be written.
-pub fn usage_path(model_dir: &Path) -> PathBuf {
-    let next_to = model_dir.join(USAGE_FILE);
-    let dir = model_dir.join(".bespoke");
-    let writable = std::fs::create_dir_all(&dir).is_ok()
-        && std::fs::metadata(&dir)
-            .map(|m| !m.permissions().readonly())
-            .unwrap_or(false);
-    if writable {
-        return next_to;
-    }
+/// Where a model's usage lives when it can be written next to the model.
+fn next_to(model_dir: &Path) -> PathBuf {
+    model_dir.join(USAGE_FILE)
+}
+
+/// Where it lives otherwise: under the user cache, named after the model's path.
+fn in_cache(model_dir: &Path) -> PathBuf {
     let cache = std::env::var_os("XDG_CACHE_HOME")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
@@ -99,11 +94,20 @@ pub fn usage_path(model_dir: &Path) -> PathBuf {
 /// Counts saved for this model, if any. A file that does not parse or does
 /// not match the model's shape is an error naming the file.
 pub fn load_usage(model_dir: &Path, experts: &[usize]) -> Result<Option<Usage>, String> {
-    let path = usage_path(model_dir);
-    let text = match std::fs::read_to_string(&path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("{}: {e}", path.display())),
+    // Next to the model first, then the cache (where a read-only model's went).
+    let mut found = None;
+    for path in [next_to(model_dir), in_cache(model_dir)] {
+        match std::fs::read_to_string(&path) {
+            Ok(t) => {
+                found = Some((path, t));
+                break;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+        }
+    }
+    let Some((path, text)) = found else {
+        return Ok(None);
     };
     let u: Usage = serde_json::from_str(&text).map_err(|e| {
         format!(
@@ -125,23 +129,32 @@ pub fn load_usage(model_dir: &Path, experts: &[usize]) -> Result<Option<Usage>, 
     Ok(Some(u))
 }
 
-/// Write the counts (atomically: a temporary file, then rename).
+/// Write the counts next to the model, or under the user cache when the
+/// model directory cannot be written (atomically: a temporary file, then
+/// rename). Returns where they went.
 pub fn save_usage(model_dir: &Path, counts: Vec<Vec<u64>>) -> Result<PathBuf, String> {
-    let path = usage_path(model_dir);
-    if let Some(d) = path.parent() {
-        std::fs::create_dir_all(d).map_err(|e| format!("{}: {e}", d.display()))?;
-    }
     let u = Usage {
         what: "routed-expert selections per layer (one token routed to one expert = 1), \
                summed over bespoke runs; the VRAM tier places the most used first"
             .into(),
         counts,
     };
-    let tmp = path.with_extension(format!("json.tmp{}", std::process::id()));
     let text = serde_json::to_string(&u).map_err(|e| e.to_string())?;
-    std::fs::write(&tmp, text).map_err(|e| format!("{}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, &path).map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok(path)
+    let write = |path: &Path| -> Result<(), String> {
+        let d = path.parent().unwrap_or(Path::new("."));
+        std::fs::create_dir_all(d).map_err(|e| format!("{}: {e}", d.display()))?;
+        let tmp = path.with_extension(format!("json.tmp{}", std::process::id()));
+        std::fs::write(&tmp, &text).map_err(|e| format!("{}: {e}", tmp.display()))?;
+        std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))
+    };
+    let path = next_to(model_dir);
+    match write(&path) {
+        Ok(()) => Ok(path),
+        Err(_) => {
+            let path = in_cache(model_dir);
+            write(&path).map(|()| path)
+        }
+    }
 }
 
 /// One thing that can be placed.

@@ -33,7 +33,7 @@ pub fn weight(m: &Matrix, r: usize, c: usize) -> f32 {
 }
 
 /// Scale of row r, block b (1.0 when the format has none).
-fn scale(m: &Matrix, r: usize, b: usize) -> f32 {
+pub fn scale(m: &Matrix, r: usize, b: usize) -> f32 {
     let cols = m.cols();
     match m.weights() {
         Weights::Fp8 { scale, .. } => {

@@ -124,25 +124,14 @@ fn magnitudes(m: &Matrix, x: &[f32], n: usize) -> Vec<f32> {
         for r in 0..rows {
             let mut s = 0f64;
             for c in 0..cols {
-                let w = bespoke::reference::weight(m, r, c) as f64 * scale_of(m, r, c) as f64;
+                let w = bespoke::reference::weight(m, r, c) as f64
+                    * bespoke::reference::scale(m, r, c / m.format().block_cols().max(1)) as f64;
                 s += (w * x[j * cols + c] as f64).abs();
             }
             out[j * rows + r] = s as f32;
         }
     }
     out
-}
-
-fn scale_of(m: &Matrix, r: usize, c: usize) -> f32 {
-    match m.weights() {
-        Weights::Fp8 { scale, .. } => {
-            bespoke::formats::e8m0_to_f32(scale[(r / 128) * m.cols().div_ceil(128) + c / 128])
-        }
-        Weights::Fp4 { scale, .. } => {
-            bespoke::formats::e8m0_to_f32(scale[r * (m.cols() / 32) + c / 32])
-        }
-        _ => 1.0,
-    }
 }
 
 fn check(what: &str, got: &[f32], want: &[f32], mag: &[f32], rel: f64) {
@@ -225,12 +214,7 @@ fn specialised_cuda_kernels_run_for_the_build_shapes() {
 
 /// Which tensor-core kernels the loaded image has (from the build plan).
 fn tc_on(g: &gpu::Gpu, key: &str) -> bool {
-    let plan = bespoke::report::build_plan();
-    plan.cuda
-        .as_ref()
-        .and_then(|c| c.archs.iter().find(|a| a.arch.name() == g.image.arch))
-        .map(|a| a.tc.iter().any(|d| d.on && d.path.key() == key))
-        .unwrap_or(false)
+    gpu::image_has_tc(g.image.arch, key)
 }
 
 #[test]
@@ -362,10 +346,11 @@ fn attention_decode_matches_the_reference() {
     }
 }
 
-/// The engine on the GPU: every matrix resident, the fixtures' greedy tokens
-/// as transformers made them.
+/// The CLI with the VRAM tier: `score` runs with the fixtures' matrices on the
+/// GPU and says so. (Token-exactness is checked by the oracle tests run with
+/// BESPOKE_TEST_VRAM, below.)
 #[test]
-fn fixtures_are_token_exact_with_the_vram_tier() {
+fn score_runs_with_every_matrix_in_the_vram_tier() {
     let Some(_) = gpu_or_reason() else { return };
     for name in ["tiny-llama", "tiny-qwen3-moe", "tiny-dsv4"] {
         let out = common::bespoke_command()

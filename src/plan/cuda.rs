@@ -95,6 +95,16 @@ impl Arch {
         })
     }
 
+    /// The arch-specific (`a`) form where the arch has one, else itself.
+    pub fn specific_form(self) -> Arch {
+        Arch {
+            specific: KNOWN_ARCHS
+                .iter()
+                .any(|k| k.0 == self.major && k.1 == self.minor && k.3),
+            ..self
+        }
+    }
+
     /// Compute capability as major·10 + minor (90 for sm_90a).
     pub fn cc(self) -> u32 {
         self.major * 10 + self.minor
@@ -179,14 +189,11 @@ pub fn parse_arch_list(
                             "nvidia-smi reported compute capability {cap:?}, expected major.minor"
                         )
                     })?;
-                    let mut a = Arch::parse(&format!("sm_{maj}{min}"))
+                    let a = Arch::parse(&format!("sm_{maj}{min}"))
                         .map_err(|e| format!("BESPOKE_CUDA_ARCH=native: {e}"))?;
                     // The card in this machine: its arch-specific form unlocks
                     // every tensor-core path it has.
-                    a.specific = KNOWN_ARCHS
-                        .iter()
-                        .any(|k| k.0 == a.major && k.1 == a.minor && k.3);
-                    push(a);
+                    push(a.specific_form());
                 }
             }
             _ => push(Arch::parse(item).map_err(|e| format!("BESPOKE_CUDA_ARCH: {e}"))?),
