@@ -80,7 +80,12 @@ pub struct Machine {
 pub struct Bandwidth {
     pub threads: usize,
     pub bytes: usize,
+    /// The best streaming read (the reference every kernel is compared to).
     pub gb_per_s: f64,
+    /// Streams per thread that reached it.
+    pub streams: usize,
+    /// The same read with one stream per thread.
+    pub one_stream_gb_per_s: f64,
 }
 
 #[derive(Serialize, Clone)]
@@ -196,24 +201,58 @@ fn time_interleaved(
         .collect()
 }
 
-/// A plain streaming read of `buf` split over the pool's threads.
-fn stream_read(buf: &[u64]) -> u64 {
+/// A plain streaming read of `buf` split over the pool's threads, each
+/// thread reading its share as `streams` parts side by side.
+fn stream_read(buf: &[u64], streams: usize) -> u64 {
     use rayon::prelude::*;
     let threads = rayon::current_num_threads();
     let chunk = buf.len().div_ceil(threads).max(1024);
     buf.par_chunks(chunk)
-        .map(crate::kernels::stream_read)
+        .map(|c| crate::kernels::stream_read(c, streams))
         .reduce(|| 0, |a, b| a.wrapping_add(b))
 }
 
-/// Read bandwidth in GB/s with the current pool.
-pub fn read_bandwidth(bytes: usize, samples: usize) -> f64 {
+/// Streams per thread the read bandwidth is measured with; the best counts.
+const READ_STREAMS: [usize; 4] = [1, 2, 4, 8];
+
+/// The machine's read bandwidth with the current pool, GB/s.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadBandwidth {
+    /// The best over READ_STREAMS: what kernels are compared to.
+    pub gb_per_s: f64,
+    /// Streams per thread that reached it.
+    pub streams: usize,
+    /// One stream per thread (the simplest read).
+    pub one_stream_gb_per_s: f64,
+}
+
+/// Read bandwidth with the current pool: a streaming read of `bytes`, with
+/// 1, 2, 4 and 8 streams per thread, timed interleaved.
+pub fn read_bandwidth(bytes: usize, samples: usize) -> ReadBandwidth {
     let buf: Vec<u64> = (0..bytes / 8).map(|i| i as u64).collect();
-    let mut read = || {
-        black_box(stream_read(black_box(&buf)));
-    };
-    let (med, _, _) = time_interleaved(&mut [&mut read], samples, Duration::from_millis(1))[0];
-    bytes as f64 / med / 1e9
+    let mut reads: Vec<Box<dyn FnMut()>> = READ_STREAMS
+        .iter()
+        .map(|&k| {
+            let buf = &buf;
+            Box::new(move || {
+                black_box(stream_read(black_box(buf), k));
+            }) as Box<dyn FnMut()>
+        })
+        .collect();
+    let mut fs: Vec<&mut dyn FnMut()> = reads
+        .iter_mut()
+        .map(|f| &mut **f as &mut dyn FnMut())
+        .collect();
+    let times = time_interleaved(&mut fs, samples, Duration::from_millis(1));
+    let gb: Vec<f64> = times.iter().map(|t| bytes as f64 / t.0 / 1e9).collect();
+    let best = (0..gb.len())
+        .max_by(|&a, &b| gb[a].total_cmp(&gb[b]))
+        .unwrap_or(0);
+    ReadBandwidth {
+        gb_per_s: gb[best],
+        streams: READ_STREAMS[best],
+        one_stream_gb_per_s: gb[0],
+    }
 }
 
 /// Owned weights of one format filled with well-behaved values.
@@ -414,15 +453,20 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
     let mut bandwidth = Vec::new();
     for &t in &thread_counts {
         let pool = crate::threads::pool(t);
-        let gb = pool.install(|| read_bandwidth(stream_bytes, samples));
+        let rb = pool.install(|| read_bandwidth(stream_bytes, samples));
         eprintln!(
-            "read bandwidth, {t} thread(s), {} MiB buffer: {gb:.1} GB/s",
-            stream_bytes >> 20
+            "read bandwidth, {t} thread(s), {} MiB buffer: {:.1} GB/s ({} stream(s) per thread; one stream: {:.1} GB/s)",
+            stream_bytes >> 20,
+            rb.gb_per_s,
+            rb.streams,
+            rb.one_stream_gb_per_s
         );
         bandwidth.push(Bandwidth {
             threads: t,
             bytes: stream_bytes,
-            gb_per_s: gb,
+            gb_per_s: rb.gb_per_s,
+            streams: rb.streams,
+            one_stream_gb_per_s: rb.one_stream_gb_per_s,
         });
     }
     let variants: Vec<Kernels> = COMPILED_ISAS

@@ -101,7 +101,7 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
     for &t in &counts {
         let pool = crate::threads::pool(t);
         let run = pool.install(|| -> Result<E2eRun, String> {
-            let bw = read_bandwidth(stream_bytes, if opts.quick { 3 } else { 7 });
+            let bw = read_bandwidth(stream_bytes, if opts.quick { 3 } else { 7 }).gb_per_s;
             let (mut pre, mut ttft, mut dec) = (Vec::new(), Vec::new(), Vec::new());
             for _ in 0..reps {
                 let mut cache = eng.new_cache(ctx).map_err(|e| e.to_string())?;

@@ -102,10 +102,12 @@ include!(concat!(env!("OUT_DIR"), "/dispatch_table.rs"));
 pub const BUILD_PLAN_JSON: &str = include_str!(concat!(env!("OUT_DIR"), "/plan.json"));
 
 /// Sum of the words of `buf`: a plain streaming read, compiled like the
-/// kernels (the benchmark's bandwidth reference).
-pub fn stream_read(buf: &[u64]) -> u64 {
-    // SAFETY: reads exactly buf.len() words from a live slice.
-    unsafe { ffi::bs_stream_read(buf.as_ptr(), buf.len()) }
+/// kernels (the benchmark's bandwidth reference), as `streams` (1..=8)
+/// contiguous parts read side by side.
+pub fn stream_read(buf: &[u64], streams: usize) -> u64 {
+    // SAFETY: bs_stream_read reads words 0..buf.len() of a live slice and
+    // nothing else, whatever `streams` is (it clamps it to 1..=8).
+    unsafe { ffi::bs_stream_read(buf.as_ptr(), buf.len(), streams) }
 }
 
 /// Errors from the kernel layer: always say what was expected.
