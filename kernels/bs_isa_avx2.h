@@ -11,6 +11,9 @@ typedef __m256 bs_vf;
 static inline bs_vf bs_zero(void) { return _mm256_setzero_ps(); }
 static inline bs_vf bs_set1(float x) { return _mm256_set1_ps(x); }
 static inline bs_vf bs_loadu(const float *p) { return _mm256_loadu_ps(p); }
+/* Make the compiler hold v in a register (a load it would otherwise fold
+ * into each FMA that uses v is done once). */
+static inline void bs_keep(bs_vf *v) { __asm__("" : "+x"(*v)); }
 static inline void bs_storeu(float *p, bs_vf v) { _mm256_storeu_ps(p, v); }
 static inline bs_vf bs_fma(bs_vf a, bs_vf b, bs_vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline bs_vf bs_add(bs_vf a, bs_vf b) { return _mm256_add_ps(a, b); }
@@ -158,6 +161,17 @@ static inline void bs_dec16p_e4m3(const void *p, bs_vf o[BS_G]) {
     __m256 od = _mm256_shuffle_ps(n[0], n[1], _MM_SHUFFLE(3, 1, 3, 1)); /* 1 3 9 11 | 5 7 13 15 */
     o[0] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ev), 0xD8));
     o[1] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(od), 0xD8));
+}
+
+/* BF16: 16 columns as eight 32-bit pairs; the even column of each pair is
+ * its low half (shifted up), the odd one its high half (masked in place):
+ * one load, one shift, one and, where the logical order needs two widening
+ * loads and two shifts. */
+static const float BS_LANES_BF16[16] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
+static inline void bs_dec16p_bf16(const void *p, bs_vf o[BS_G]) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    o[0] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    o[1] = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000)));
 }
 
 static inline void bs_store16(float *t, const bs_vf a[BS_G]) { _mm256_storeu_ps(t, a[0]); _mm256_storeu_ps(t + 8, a[1]); }

@@ -17,6 +17,8 @@ typedef __m512 bs_vf;
 static inline bs_vf bs_zero(void) { return _mm512_setzero_ps(); }
 static inline bs_vf bs_set1(float x) { return _mm512_set1_ps(x); }
 static inline bs_vf bs_loadu(const float *p) { return _mm512_loadu_ps(p); }
+/* Register hint: nothing to do on this ISA. */
+static inline void bs_keep(bs_vf *v) { (void)v; }
 static inline void bs_storeu(float *p, bs_vf v) { _mm512_storeu_ps(p, v); }
 static inline bs_vf bs_fma(bs_vf a, bs_vf b, bs_vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline bs_vf bs_add(bs_vf a, bs_vf b) { return _mm512_add_ps(a, b); }

@@ -11,6 +11,8 @@ typedef float32x4_t bs_vf;
 static inline bs_vf bs_zero(void) { return vdupq_n_f32(0.0f); }
 static inline bs_vf bs_set1(float x) { return vdupq_n_f32(x); }
 static inline bs_vf bs_loadu(const float *p) { return vld1q_f32(p); }
+/* Register hint: nothing to do on this ISA. */
+static inline void bs_keep(bs_vf *v) { (void)v; }
 static inline void bs_storeu(float *p, bs_vf v) { vst1q_f32(p, v); }
 static inline bs_vf bs_fma(bs_vf a, bs_vf b, bs_vf c) { return vfmaq_f32(c, a, b); }
 static inline bs_vf bs_add(bs_vf a, bs_vf b) { return vaddq_f32(a, b); }

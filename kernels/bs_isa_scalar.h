@@ -11,6 +11,8 @@ typedef float bs_vf;
 static inline bs_vf bs_zero(void) { return 0.0f; }
 static inline bs_vf bs_set1(float x) { return x; }
 static inline bs_vf bs_loadu(const float *p) { return *p; }
+/* Register hint: nothing to do on this ISA. */
+static inline void bs_keep(bs_vf *v) { (void)v; }
 static inline void bs_storeu(float *p, bs_vf v) { *p = v; }
 static inline bs_vf bs_fma(bs_vf a, bs_vf b, bs_vf c) { return fmaf(a, b, c); }
 static inline bs_vf bs_add(bs_vf a, bs_vf b) { return a + b; }

@@ -280,6 +280,18 @@ fn matmul_up_to_64_columns() {
     }
 }
 
+/// Wide rows: the matmul kernels work through the rows in blocks of about
+/// 128 KiB of weights (every column tile of X per block), so these shapes
+/// cross several blocks, with a last partial one.
+#[test]
+fn matmul_across_row_blocks() {
+    let ks = runnable();
+    let mut rng = Rng(5);
+    for format in FORMATS {
+        check_full(&ks, &mut rng, format, 150, 4096, &[5, 9]);
+    }
+}
+
 /// Every specialised shape of this build. Shapes up to 1M weights are checked
 /// whole; bigger ones on row ranges at the start, an unaligned middle and the
 /// end (the rest of the buffer stays zero and untouched by the kernel).

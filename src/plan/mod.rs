@@ -194,7 +194,7 @@ impl Isa {
                 cpu_features: &["avx2", "fma", "f16c"],
                 arch: "x86_64",
                 header: "bs_isa_avx2.h",
-                permuted: &["fp4", "fp8"],
+                permuted: &["fp4", "fp8", "bf16"],
                 score: 20,
             },
             Isa::Avx512 => IsaDesc {
