@@ -230,19 +230,16 @@ pub struct ReadBandwidth {
 /// 1, 2, 4 and 8 streams per thread, timed interleaved.
 pub fn read_bandwidth(bytes: usize, samples: usize) -> ReadBandwidth {
     let buf: Vec<u64> = (0..bytes / 8).map(|i| i as u64).collect();
-    let mut reads: Vec<Box<dyn FnMut()>> = READ_STREAMS
+    let buf = &buf;
+    let mut reads: Vec<_> = READ_STREAMS
         .iter()
         .map(|&k| {
-            let buf = &buf;
-            Box::new(move || {
+            move || {
                 black_box(stream_read(black_box(buf), k));
-            }) as Box<dyn FnMut()>
+            }
         })
         .collect();
-    let mut fs: Vec<&mut dyn FnMut()> = reads
-        .iter_mut()
-        .map(|f| &mut **f as &mut dyn FnMut())
-        .collect();
+    let mut fs: Vec<&mut dyn FnMut()> = reads.iter_mut().map(|f| f as &mut dyn FnMut()).collect();
     let times = time_interleaved(&mut fs, samples, Duration::from_millis(1));
     let gb: Vec<f64> = times.iter().map(|t| bytes as f64 / t.0 / 1e9).collect();
     let best = (0..gb.len())
