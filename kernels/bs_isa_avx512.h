@@ -1,4 +1,6 @@
-/* AVX-512 (F/BW/VL): 16 lanes, one vector per lane group. */
+/* AVX-512 (F/BW/VL/VBMI): 16 lanes, one vector per lane group. Every
+ * decoder here yields the logical lane order (lane l = column l of the
+ * group); the byte permutes of VBMI do the spreading and the look-ups. */
 #ifndef BS_ISA_H
 #define BS_ISA_H
 #ifdef BS_EMULATE_AVX512
@@ -34,27 +36,105 @@ static inline bs_vf bs_select_lt(bs_vf x, bs_vf c, bs_vf a, bs_vf b) {
 }
 
 static inline void bs_dec16_f32(const void *p, bs_vf o[BS_G]) { o[0] = _mm512_loadu_ps((const float *)p); }
+/* BF16: one word permute puts column l's 16 bits in the top half of f32
+ * lane l, the mask zeroes the low halves. */
 static inline void bs_dec16_bf16(const void *p, bs_vf o[BS_G]) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    o[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    const __m512i idx = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0,
+                                         7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+    const __m512i h = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p));
+    o[0] = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx, h));
 }
-/* E4M3 -> F16 bits by shifting (exact for every code, subnormals included,
- * value / 256), NaN codes -> F16 NaN; vcvtph2ps then one exact multiply. */
+
+/* E4M3, 64 codes at once, exact for every code. Every E4M3 value (normal,
+ * subnormal, zero, NaN) is a BF16 value; two 128-entry byte tables (two
+ * registers each, vpermi2b) give the high and low byte of the BF16 of each
+ * magnitude, the sign is or-ed into the high byte, and one masked vpermi2b
+ * per lane group puts column 16j + l's two bytes at the top of f32 lane l. */
+static const uint8_t BS_E4M3_BF16_HI[128] = {
+    0x00, 0x3B, 0x3B, 0x3B, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C,
+    0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D,
+    0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E,
+    0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F,
+    0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40,
+    0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41,
+    0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42,
+    0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x7F,
+};
+static const uint8_t BS_E4M3_BF16_LO[128] = {
+    0x00, 0x00, 0x80, 0xC0, 0x00, 0x20, 0x40, 0x60, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xC0,
+};
+/* Column 16j + l to f32 lane l: byte 2 from the low bytes (index < 64),
+ * byte 3 from the high bytes (index | 64); bytes 0 and 1 are masked to 0. */
+static inline __m512i bs_e4m3_place(int j) {
+    const __m512i l = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i c = _mm512_add_epi32(l, _mm512_set1_epi32(16 * j));
+    return _mm512_or_si512(_mm512_slli_epi32(c, 16), _mm512_slli_epi32(_mm512_or_si512(c, _mm512_set1_epi32(64)), 24));
+}
+/* The BF16 high bytes (sign included) and low bytes of 64 codes. */
+static inline void bs_e4m3_bf16_bytes(__m512i b, __m512i *hi, __m512i *lo) {
+    const __m512i h0 = _mm512_loadu_si512(BS_E4M3_BF16_HI), h1 = _mm512_loadu_si512(BS_E4M3_BF16_HI + 64);
+    const __m512i l0 = _mm512_loadu_si512(BS_E4M3_BF16_LO), l1 = _mm512_loadu_si512(BS_E4M3_BF16_LO + 64);
+    /* table | (b & 0x80): ternary-logic truth table A | (B & C) = 0xF8 */
+    *hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(h0, b, h1), b, _mm512_set1_epi8((char)0x80), 0xF8);
+    *lo = _mm512_permutex2var_epi8(l0, b, l1);
+}
+static inline bs_vf bs_e4m3_group(__m512i hi, __m512i lo, int j) {
+    return _mm512_castsi512_ps(_mm512_maskz_permutex2var_epi8(0xCCCCCCCCCCCCCCCCull, lo, bs_e4m3_place(j), hi));
+}
+static inline void bs_dec64_e4m3(const void *p, bs_vf o[4][BS_G]) {
+    __m512i hi, lo;
+    bs_e4m3_bf16_bytes(_mm512_loadu_si512(p), &hi, &lo);
+    for (int j = 0; j < 4; ++j) o[j][0] = bs_e4m3_group(hi, lo, j);
+}
+/* 16 codes (lane groups outside whole 64-column chunks). */
 static inline void bs_dec16_e4m3(const void *p, bs_vf o[BS_G]) {
-    __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
-    t = _mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000)));
-    __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(t, _mm256_set1_epi16(0x7FFF)), _mm256_set1_epi16(0x3F80));
-    t = _mm256_or_si256(t, _mm256_and_si256(nan, _mm256_set1_epi16(0x7C00)));
-    o[0] = _mm512_mul_ps(_mm512_cvtph_ps(t), _mm512_set1_ps(256.0f));
+    __m512i hi, lo;
+    bs_e4m3_bf16_bytes(_mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)p)), &hi, &lo);
+    o[0] = bs_e4m3_group(hi, lo, 0);
 }
-/* All 16 E2M1 values in one register; vpermps looks up 16 codes at once. */
+
+/* E2M1: the 8 bytes of 16 codes broadcast to every qword; vpmultishiftqb
+ * moves code l into the low bits of f32 lane l (vpermps ignores the bits
+ * above), and vpermps looks up all 16 values in one register. */
 static inline void bs_dec16_e2m1(const void *p, bs_vf o[BS_G]) {
     const __m512 table = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                         -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
-    __m128i b = _mm_loadl_epi64((const __m128i *)p);
-    __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-    o[0] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), table);
+    /* qword q holds lanes 2q (bit offset 8q: the low nibble of byte q) and
+     * 2q + 1 (8q + 4: its high nibble) */
+    const __m512i sh = _mm512_set_epi64(0x0000003C00000038ll, 0x0000003400000030ll, 0x0000002C00000028ll,
+                                        0x0000002400000020ll, 0x0000001C00000018ll, 0x0000001400000010ll,
+                                        0x0000000C00000008ll, 0x0000000400000000ll);
+    long long q;
+    memcpy(&q, p, 8);
+    o[0] = _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(sh, _mm512_set1_epi64(q)), table);
+}
+
+/* ---- Permuted lane orders (templates/matmul.c.tera, "permuted" formats) ----
+ * FP4: slot s of a lane group holds column BS_LANES_FP4[s] = 8 (s & 1) +
+ * s / 2. The group's 8 bytes are broadcast as qwords, so even slots see
+ * their low dword (columns 0..7) and odd slots the high one (8..15); a
+ * per-slot shift brings the slot's nibble to the bottom and vpermps looks it
+ * up. Against bs_dec16_e2m1 this trades vpmultishiftqb, which competes with
+ * the FMAs for the same two ports on a Zen 5, for a shift that does not. */
+static const float BS_LANES_FP4[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
+static inline void bs_dec16p_e2m1(const void *p, bs_vf o[BS_G]) {
+    const __m512 table = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                        -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+    const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+    long long q;
+    memcpy(&q, p, 8);
+    o[0] = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_set1_epi64(q), sh), table);
+}
+static inline void bs_dec32p_e2m1(const void *p, bs_vf o[2][BS_G]) {
+    bs_dec16p_e2m1(p, o[0]);
+    bs_dec16p_e2m1((const uint8_t *)p + 8, o[1]);
 }
 
 static inline void bs_store16(float *t, const bs_vf a[BS_G]) { _mm512_storeu_ps(t, a[0]); }

@@ -8,7 +8,9 @@ set -euo pipefail
 need=()
 command -v cc >/dev/null 2>&1 || need+=(gcc)
 # bindgen loads libclang at build time.
-found=$(ls /usr/lib/llvm-*/lib/libclang*.so* /usr/lib/*-linux-gnu/libclang*.so* 2>/dev/null | head -1 || true)
+# (libclang-cpp, which some images ship alone, is not what bindgen loads.)
+found=$(ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/llvm-*/lib/libclang-[0-9]*.so* \
+  /usr/lib/*-linux-gnu/libclang.so* /usr/lib/*-linux-gnu/libclang-[0-9]*.so* 2>/dev/null | head -1 || true)
 if [ -z "$found" ] && [ -z "${LIBCLANG_PATH:-}" ]; then
   need+=(libclang-dev)
 fi

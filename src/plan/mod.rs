@@ -166,6 +166,12 @@ pub struct IsaDesc {
     /// copy x into that order once per call and put each accumulator back in
     /// the logical order before the reduction, so results stay bit-identical.
     pub permuted: &'static [&'static str],
+    /// Scaled formats whose whole blocks this ISA decodes 64 columns at a
+    /// time (its header defines `bs_dec64_<dec>`); the others take 16 or 32.
+    pub chunk64: &'static [&'static str],
+    /// How many register tiles ahead the matrix kernels prefetch their rows
+    /// (0: none, the hardware prefetcher is left to it).
+    pub prefetch_tiles: usize,
     /// Dispatch preference: higher wins among supported variants.
     pub score: u32,
 }
@@ -183,6 +189,8 @@ impl Isa {
                 arch: "any",
                 header: "bs_isa_scalar.h",
                 permuted: &[],
+                chunk64: &[],
+                prefetch_tiles: 0,
                 score: 1,
             },
             Isa::Avx2 => IsaDesc {
@@ -195,6 +203,8 @@ impl Isa {
                 arch: "x86_64",
                 header: "bs_isa_avx2.h",
                 permuted: &["fp4", "fp8", "bf16"],
+                chunk64: &[],
+                prefetch_tiles: 0,
                 score: 20,
             },
             Isa::Avx512 => IsaDesc {
@@ -206,14 +216,25 @@ impl Isa {
                     "-mavx512f",
                     "-mavx512bw",
                     "-mavx512vl",
+                    "-mavx512vbmi",
                     "-mavx2",
                     "-mfma",
                     "-mf16c",
                 ],
-                cpu_features: &["avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"],
+                cpu_features: &[
+                    "avx512f",
+                    "avx512bw",
+                    "avx512vl",
+                    "avx512vbmi",
+                    "avx2",
+                    "fma",
+                    "f16c",
+                ],
                 arch: "x86_64",
                 header: "bs_isa_avx512.h",
-                permuted: &[],
+                permuted: &["fp4"],
+                chunk64: &["fp8"],
+                prefetch_tiles: 2,
                 score: 30,
             },
             Isa::Neon => IsaDesc {
@@ -226,6 +247,8 @@ impl Isa {
                 arch: "aarch64",
                 header: "bs_isa_neon.h",
                 permuted: &[],
+                chunk64: &[],
+                prefetch_tiles: 0,
                 score: 20,
             },
             // The same kernels as neon, compiled without the preset's flags.
@@ -257,7 +280,7 @@ impl Isa {
             (Isa::Avx2, _, false) => t(2, 2),
             (Isa::Avx2, _, true) => t(1, 2),
             (Isa::Avx512, Op::Matvec, false) => t(8, 1),
-            (Isa::Avx512, Op::Matvec, true) => t(4, 1),
+            (Isa::Avx512, Op::Matvec, true) => t(8, 1),
             (Isa::Avx512, _, false) => t(4, 4),
             (Isa::Avx512, _, true) => t(2, 4),
             (Isa::Neon | Isa::NeonBase, Op::Matvec, false) => t(4, 1),
