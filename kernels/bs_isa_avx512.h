@@ -96,7 +96,7 @@ static inline void bs_dec64_e4m3(const void *p, bs_vf o[4][BS_G]) {
 /* 16 codes (lane groups outside whole 64-column chunks). */
 static inline void bs_dec16_e4m3(const void *p, bs_vf o[BS_G]) {
     __m512i hi, lo;
-    bs_e4m3_bf16_bytes(_mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)p)), &hi, &lo);
+    bs_e4m3_bf16_bytes(_mm512_inserti32x4(_mm512_setzero_si512(), _mm_loadu_si128((const __m128i *)p), 0), &hi, &lo);
     o[0] = bs_e4m3_group(hi, lo, 0);
 }
 
