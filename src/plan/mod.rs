@@ -234,7 +234,7 @@ impl Isa {
                 header: "bs_isa_avx512.h",
                 permuted: &["fp4"],
                 chunk64: &["fp8"],
-                prefetch_tiles: 2,
+                prefetch_tiles: 1,
                 score: 30,
             },
             Isa::Neon => IsaDesc {
