@@ -1,6 +1,7 @@
-/* AVX-512 (F/BW/VL/VBMI): 16 lanes, one vector per lane group. Every
- * decoder here yields the logical lane order (lane l = column l of the
- * group); the byte permutes of VBMI do the spreading and the look-ups. */
+/* AVX-512 (F/BW/VL/VBMI): 16 lanes, one vector per lane group. Byte and
+ * word permutes do the spreading and the look-ups; every decoder yields the
+ * logical lane order (lane l = column l of the group) except the FP4 one the
+ * kernels use, bs_dec16p_e2m1 (see the permuted lane orders below). */
 #ifndef BS_ISA_H
 #define BS_ISA_H
 #ifdef BS_EMULATE_AVX512
@@ -100,20 +101,27 @@ static inline void bs_dec16_e4m3(const void *p, bs_vf o[BS_G]) {
     o[0] = bs_e4m3_group(hi, lo, 0);
 }
 
-/* E2M1: the 8 bytes of 16 codes broadcast to every qword; vpmultishiftqb
- * moves code l into the low bits of f32 lane l (vpermps ignores the bits
- * above), and vpermps looks up all 16 values in one register. */
-static inline void bs_dec16_e2m1(const void *p, bs_vf o[BS_G]) {
+/* E2M1: all 16 values in one register, looked up by the low 4 bits of each
+ * f32 lane of idx (vpermps ignores the bits above). */
+static inline bs_vf bs_e2m1_lookup(__m512i idx) {
     const __m512 table = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                         -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+    return _mm512_permutexvar_ps(idx, table);
+}
+/* The 8 bytes (16 codes) of one lane group in every qword. */
+static inline __m512i bs_e2m1_bcast(const void *p) {
+    long long q;
+    memcpy(&q, p, 8);
+    return _mm512_set1_epi64(q);
+}
+/* Lane order: vpmultishiftqb moves code l into the low bits of lane l. */
+static inline void bs_dec16_e2m1(const void *p, bs_vf o[BS_G]) {
     /* qword q holds lanes 2q (bit offset 8q: the low nibble of byte q) and
      * 2q + 1 (8q + 4: its high nibble) */
     const __m512i sh = _mm512_set_epi64(0x0000003C00000038ll, 0x0000003400000030ll, 0x0000002C00000028ll,
                                         0x0000002400000020ll, 0x0000001C00000018ll, 0x0000001400000010ll,
                                         0x0000000C00000008ll, 0x0000000400000000ll);
-    long long q;
-    memcpy(&q, p, 8);
-    o[0] = _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(sh, _mm512_set1_epi64(q)), table);
+    o[0] = bs_e2m1_lookup(_mm512_multishift_epi64_epi8(sh, bs_e2m1_bcast(p)));
 }
 
 /* ---- Permuted lane orders (templates/matmul.c.tera, "permuted" formats) ----
@@ -125,12 +133,8 @@ static inline void bs_dec16_e2m1(const void *p, bs_vf o[BS_G]) {
  * the FMAs for the same two ports on a Zen 5, for a shift that does not. */
 static const float BS_LANES_FP4[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
 static inline void bs_dec16p_e2m1(const void *p, bs_vf o[BS_G]) {
-    const __m512 table = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                        -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
     const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
-    long long q;
-    memcpy(&q, p, 8);
-    o[0] = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_set1_epi64(q), sh), table);
+    o[0] = bs_e2m1_lookup(_mm512_srlv_epi32(bs_e2m1_bcast(p), sh));
 }
 static inline void bs_dec32p_e2m1(const void *p, bs_vf o[2][BS_G]) {
     bs_dec16p_e2m1(p, o[0]);

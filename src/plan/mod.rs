@@ -168,6 +168,7 @@ pub struct IsaDesc {
     pub permuted: &'static [&'static str],
     /// Scaled formats whose whole blocks this ISA decodes 64 columns at a
     /// time (its header defines `bs_dec64_<dec>`); the others take 16 or 32.
+    /// Formats with scale blocks under 64 columns (FP4) ignore the entry.
     pub chunk64: &'static [&'static str],
     /// How many register tiles ahead the matrix kernels prefetch their rows
     /// (0: none, the hardware prefetcher is left to it).
