@@ -18,6 +18,8 @@ fn main() {
         ],
         fp4_q8: true,
         shapes: bespoke::bench::ShapeSet::Default,
+        isas: vec![],
+        weight_offset: 0,
     };
     if let Err(e) = bespoke::bench::kernels(&opts) {
         eprintln!("bench: {e}");

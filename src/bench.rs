@@ -22,6 +22,11 @@ pub struct Options {
     /// Also time the fp4×q8 variant (FP4 weights, int8 activations; shown as
     /// format "fp4q8") on every FP4 case, the activation quantization included.
     pub fp4_q8: bool,
+    /// Only these ISA variants (all compiled ones this CPU runs if empty).
+    pub isas: Vec<crate::plan::Isa>,
+    /// The weights start this many bytes past a 64-byte boundary (0..64, a
+    /// multiple of 8); see [`check_weight_offset`].
+    pub weight_offset: usize,
 }
 
 /// Which matrix shapes to time.
@@ -103,8 +108,15 @@ pub struct KernelResult {
     pub max_us: f64,
     pub gb_per_s: f64,
     pub gflop_per_s: f64,
-    /// GB/s over the streaming-read bandwidth at the same thread count.
+    /// GB/s over the read bandwidth: for streamed weights the plain read
+    /// timed interleaved with this kernel's samples (`read_gb_per_s`), for
+    /// cache-resident ones the run's figure at the same thread count.
     pub bandwidth_fraction: f64,
+    /// The plain streaming read (same threads, same streams per thread as the
+    /// run's best) timed with its samples interleaved with this case's
+    /// kernels, so that drift on a shared machine hits both alike; the run's
+    /// read bandwidth for cache-resident cases.
+    pub read_gb_per_s: f64,
 }
 
 impl KernelResult {
@@ -124,6 +136,8 @@ impl KernelResult {
 #[derive(Serialize)]
 pub struct Results {
     pub machine: Machine,
+    /// Bytes past a 64-byte boundary the weights started at.
+    pub weight_offset: usize,
     pub bandwidth: Vec<Bandwidth>,
     pub kernels: Vec<KernelResult>,
 }
@@ -252,15 +266,57 @@ pub fn read_bandwidth(bytes: usize, samples: usize) -> ReadBandwidth {
     }
 }
 
-/// Owned weights of one format filled with well-behaved values.
+/// Owned weights of one format filled with well-behaved values, the weights
+/// starting `offset` bytes past a 64-byte boundary (each vector holds a few
+/// spare elements in front; `*_at` is where the matrix starts).
 pub(crate) struct Weights0 {
     f: Vec<f32>,
     h: Vec<u16>,
     b: Vec<u8>,
     s: Vec<u8>,
+    f_at: usize,
+    h_at: usize,
+    b_at: usize,
 }
 
-pub(crate) fn make_weights(format: Format, rows: usize, cols: usize, seed: u64) -> Weights0 {
+/// Where the weights start in a buffer made by [`placed`].
+fn start_index<T>(v: &[T], offset: usize) -> usize {
+    let size = std::mem::size_of::<T>();
+    let addr = v.as_ptr() as usize;
+    (64 + offset - addr % 64) % 64 / size
+}
+
+/// `n` values from `gen` in a fresh vector, placed `offset` bytes past a
+/// 64-byte boundary (`offset` a multiple of the element size).
+fn placed<T: Copy + Default>(n: usize, offset: usize, gen: impl FnMut() -> T) -> (Vec<T>, usize) {
+    let spare = 64 / std::mem::size_of::<T>();
+    let mut v = vec![T::default(); n + spare];
+    let at = start_index(&v, offset);
+    for (d, x) in v[at..at + n].iter_mut().zip(std::iter::repeat_with(gen)) {
+        *d = x;
+    }
+    (v, at)
+}
+
+/// The weight placements `bench kernels --weight-offset` takes: bytes past a
+/// 64-byte boundary, a multiple of 8 (a safetensors data section starts
+/// 8-aligned, so a memory-mapped tensor lies at one of these).
+pub fn check_weight_offset(offset: usize) -> Result<(), String> {
+    if offset >= 64 || offset % 8 != 0 {
+        return Err(format!(
+            "--weight-offset {offset}: expected a multiple of 8 below 64 (bytes past a 64-byte boundary)"
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn make_weights(
+    format: Format,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+    offset: usize,
+) -> Weights0 {
     let n = rows * cols;
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut next = move || {
@@ -274,14 +330,13 @@ pub(crate) fn make_weights(format: Format, rows: usize, cols: usize, seed: u64) 
         h: vec![],
         b: vec![],
         s: vec![],
+        f_at: 0,
+        h_at: 0,
+        b_at: 0,
     };
     match format {
-        Format::F32 => {
-            w.f = (0..n)
-                .map(|_| (next() % 1000) as f32 / 1000.0 - 0.5)
-                .collect()
-        }
-        Format::Bf16 => w.h = (0..n).map(|_| 0x3C00 | (next() % 0x100) as u16).collect(),
+        Format::F32 => (w.f, w.f_at) = placed(n, offset, || (next() % 1000) as f32 / 1000.0 - 0.5),
+        Format::Bf16 => (w.h, w.h_at) = placed(n, offset, || 0x3C00 | (next() % 0x100) as u16),
         Format::Fp8 => {
             // Codes distributed as in a real checkpoint: Gaussian weights
             // scaled so that a 128x128 block's largest lands near 448
@@ -296,12 +351,12 @@ pub(crate) fn make_weights(format: Format, rows: usize, cols: usize, seed: u64) 
                     crate::formats::f32_to_e4m3((z * 100.0) as f32)
                 })
                 .collect();
-            w.b = (0..n).map(|_| table[(next() % 4096) as usize]).collect();
+            (w.b, w.b_at) = placed(n, offset, || table[(next() % 4096) as usize]);
             let (sr, sc) = format.scale_shape(rows, cols).unwrap_or((0, 0));
             w.s = vec![120; sr * sc];
         }
         Format::Fp4 => {
-            w.b = (0..n / 2).map(|_| next() as u8).collect();
+            (w.b, w.b_at) = placed(n / 2, offset, || next() as u8);
             let (sr, sc) = format.scale_shape(rows, cols).unwrap_or((0, 0));
             w.s = vec![120; sr * sc];
         }
@@ -311,14 +366,14 @@ pub(crate) fn make_weights(format: Format, rows: usize, cols: usize, seed: u64) 
 
 pub(crate) fn matrix(format: Format, rows: usize, cols: usize, w: &Weights0) -> Matrix<'_> {
     let ws = match format {
-        Format::F32 => Weights::F32(&w.f),
-        Format::Bf16 => Weights::Bf16(&w.h),
+        Format::F32 => Weights::F32(&w.f[w.f_at..w.f_at + rows * cols]),
+        Format::Bf16 => Weights::Bf16(&w.h[w.h_at..w.h_at + rows * cols]),
         Format::Fp8 => Weights::Fp8 {
-            w: &w.b,
+            w: &w.b[w.b_at..w.b_at + rows * cols],
             scale: &w.s,
         },
         Format::Fp4 => Weights::Fp4 {
-            w: &w.b,
+            w: &w.b[w.b_at..w.b_at + rows * cols / 2],
             scale: &w.s,
         },
     };
@@ -447,7 +502,18 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
         machine.physical_cores,
         llc >> 20
     );
+    eprintln!(
+        "weights start {} bytes past a 64-byte boundary{}",
+        opts.weight_offset,
+        if opts.weight_offset == 0 {
+            " (--weight-offset to move them)"
+        } else {
+            ""
+        }
+    );
     let mut bandwidth = Vec::new();
+    // Also read beside every streamed case (see KernelResult::read_gb_per_s).
+    let read_buf: Vec<u64> = (0..stream_bytes / 8).map(|i| i as u64).collect();
     for &t in &thread_counts {
         let pool = crate::threads::pool(t);
         let rb = pool.install(|| read_bandwidth(stream_bytes, samples));
@@ -466,8 +532,15 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             one_stream_gb_per_s: rb.one_stream_gb_per_s,
         });
     }
+    check_weight_offset(opts.weight_offset)?;
+    for i in &opts.isas {
+        if let Err(e) = Kernels::with_isa(*i) {
+            return Err(format!("--isa {i}: {e}"));
+        }
+    }
     let variants: Vec<Kernels> = COMPILED_ISAS
         .iter()
+        .filter(|i| opts.isas.is_empty() || opts.isas.contains(i))
         .filter_map(|&i| Kernels::with_isa(i).ok())
         .collect();
     let skipped: Vec<&str> = COMPILED_ISAS
@@ -475,7 +548,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
         .filter(|i| !variants.iter().any(|k| k.isa() == **i))
         .map(|i| i.name())
         .collect();
-    if !skipped.is_empty() {
+    if !skipped.is_empty() && opts.isas.is_empty() {
         eprintln!(
             "compiled but not runnable on this CPU (not benchmarked): {}",
             skipped.join(", ")
@@ -511,7 +584,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
         } else {
             format.to_string()
         };
-        let one = make_weights(format, rows, cols, ci as u64 + 1);
+        let one = make_weights(format, rows, cols, ci as u64 + 1, opts.weight_offset);
         let bytes = matrix(format, rows, cols, &one).bytes();
         let copies = if bytes >= 1 << 20 {
             (stream_bytes / bytes).max(2)
@@ -519,7 +592,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             0
         };
         let stream: Vec<Weights0> = (0..copies)
-            .map(|i| make_weights(format, rows, cols, 1000 + i as u64))
+            .map(|i| make_weights(format, rows, cols, 1000 + i as u64, opts.weight_offset))
             .collect();
         let x: Vec<f32> = (0..cols)
             .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
@@ -546,11 +619,11 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             };
             for &t in &thread_counts {
                 let pool = crate::threads::pool(t);
-                let bw = bandwidth
+                let (bw, read_streams) = bandwidth
                     .iter()
                     .find(|b| b.threads == t)
-                    .map(|b| b.gb_per_s)
-                    .unwrap_or(f64::NAN);
+                    .map(|b| (b.gb_per_s, b.streams))
+                    .unwrap_or((f64::NAN, 1));
                 for residency in ["cache", "stream"] {
                     done += kinds.len();
                     if residency == "stream" && stream.is_empty() {
@@ -590,6 +663,13 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                             }) as Box<dyn FnMut() + Send>
                         })
                         .collect();
+                    // Streamed: the plain read too, in the same interleaving.
+                    if residency == "stream" {
+                        let buf = &read_buf;
+                        calls.push(Box::new(move || {
+                            black_box(stream_read(black_box(buf), read_streams));
+                        }));
+                    }
                     let stats = pool.install(|| {
                         let mut refs: Vec<&mut dyn FnMut()> = calls
                             .iter_mut()
@@ -597,6 +677,13 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                             .collect();
                         time_interleaved(&mut refs, samples, min_sample)
                     });
+                    let read_gb = if residency == "stream" {
+                        stats
+                            .last()
+                            .map_or(bw, |r| read_buf.len() as f64 * 8.0 / r.0 / 1e9)
+                    } else {
+                        bw
+                    };
                     for ((kind, _), (med, min, max)) in kinds.iter().zip(stats) {
                         let gb = bytes as f64 / med / 1e9;
                         results.push(KernelResult {
@@ -613,7 +700,8 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                             max_us: max * 1e6,
                             gb_per_s: gb,
                             gflop_per_s: 2.0 * rows as f64 * cols as f64 / med / 1e9,
-                            bandwidth_fraction: gb / bw,
+                            bandwidth_fraction: gb / read_gb,
+                            read_gb_per_s: read_gb,
                         });
                     }
                 }
@@ -625,6 +713,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
     print_summary(&results);
     Ok(Results {
         machine,
+        weight_offset: opts.weight_offset,
         bandwidth,
         kernels: results,
     })
@@ -632,7 +721,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
 
 fn print_table(r: &[KernelResult]) {
     println!(
-        "{:<5} {:>11} {:<7} {:<11} {:>3} {:<6} {:>10} {:>21} {:>7} {:>8} {:>6}",
+        "{:<5} {:>11} {:<7} {:<11} {:>3} {:<6} {:>10} {:>21} {:>7} {:>8} {:>6} {:>7}",
         "fmt",
         "rows×cols",
         "isa",
@@ -643,11 +732,12 @@ fn print_table(r: &[KernelResult]) {
         "[min – max] µs",
         "GB/s",
         "GFLOP/s",
-        "% bw"
+        "% bw",
+        "read"
     );
     for x in r {
         println!(
-            "{:<5} {:>11} {:<7} {:<11} {:>3} {:<6} {:>10.2} {:>21} {:>7.2} {:>8.2} {:>5.0}%",
+            "{:<5} {:>11} {:<7} {:<11} {:>3} {:<6} {:>10.2} {:>21} {:>7.2} {:>8.2} {:>5.0}% {:>7.1}",
             x.format,
             format!("{}×{}", x.rows, x.cols),
             x.isa,
@@ -658,9 +748,11 @@ fn print_table(r: &[KernelResult]) {
             format!("[{:.2} – {:.2}]", x.min_us, x.max_us),
             x.gb_per_s,
             x.gflop_per_s,
-            x.bandwidth_fraction * 100.0
+            x.bandwidth_fraction * 100.0,
+            x.read_gb_per_s
         );
     }
+    println!("(% bw: of the read GB/s in the last column; for streamed weights that read was timed interleaved with the kernel)");
 }
 
 /// The two targets: streamed weights at >= 85% of read bandwidth;

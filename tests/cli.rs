@@ -829,3 +829,62 @@ fn expert_usage_is_saved_next_to_the_model() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `bench kernels --isa` times only the variants named; `--weight-offset`
+/// moves the weights off the 64-byte boundary (and is recorded); bad values
+/// of either are clear errors.
+#[test]
+fn bench_kernels_isa_and_weight_offset() {
+    let path = std::env::temp_dir().join(format!("bespoke-bench-isa-{}.json", std::process::id()));
+    let p = path.to_str().unwrap();
+    let (ok, _, err) = run(&[
+        "bench",
+        "kernels",
+        "--quick",
+        "--threads",
+        "1",
+        "--formats",
+        "fp8",
+        "--isa",
+        "scalar",
+        "--weight-offset",
+        "24",
+        "--json",
+        p,
+    ]);
+    assert!(ok, "{err}");
+    assert!(err.contains("24 bytes past a 64-byte boundary"), "{err}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(v["weight_offset"], 24);
+    let ks = v["kernels"].as_array().unwrap();
+    assert!(
+        !ks.is_empty() && ks.iter().all(|k| k["isa"] == "scalar"),
+        "{ks:?}"
+    );
+    assert!(ks
+        .iter()
+        .all(|k| k["read_gb_per_s"].as_f64().is_some_and(|g| g > 0.0)));
+    std::fs::remove_file(&path).ok();
+    for (args, needle) in [
+        (["--isa", "avx9"], "unknown ISA variant \"avx9\""),
+        (
+            ["--weight-offset", "12"],
+            "--weight-offset 12: expected a multiple of 8 below 64",
+        ),
+        (["--weight-offset", "64"], "--weight-offset 64"),
+    ] {
+        let mut a = vec![
+            "bench",
+            "kernels",
+            "--quick",
+            "--threads",
+            "1",
+            "--formats",
+            "fp8",
+        ];
+        a.extend_from_slice(&args);
+        let (ok, _, err) = run(&a);
+        assert!(!ok && err.contains(needle), "{args:?}: {err}");
+    }
+}

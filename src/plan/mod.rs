@@ -170,9 +170,11 @@ pub struct IsaDesc {
     /// time (its header defines `bs_dec64_<dec>`); the others take 16 or 32.
     /// Formats with scale blocks under 64 columns (FP4) ignore the entry.
     pub chunk64: &'static [&'static str],
-    /// How many register tiles ahead the matrix kernels prefetch their rows
-    /// (0: none, the hardware prefetcher is left to it).
-    pub prefetch_tiles: usize,
+    /// How far ahead, in bytes of each row, the scaled-format matrix kernels
+    /// prefetch their rows in the order the tiles read them (rows no longer
+    /// than this: the next tile's rows); 0: none, the hardware prefetcher is
+    /// left to it (and FP8 asks for the line 1 KiB on in its row).
+    pub prefetch_ahead: usize,
     /// Dispatch preference: higher wins among supported variants.
     pub score: u32,
 }
@@ -191,7 +193,7 @@ impl Isa {
                 header: "bs_isa_scalar.h",
                 permuted: &[],
                 chunk64: &[],
-                prefetch_tiles: 0,
+                prefetch_ahead: 0,
                 score: 1,
             },
             Isa::Avx2 => IsaDesc {
@@ -205,7 +207,7 @@ impl Isa {
                 header: "bs_isa_avx2.h",
                 permuted: &["fp4", "fp8", "bf16"],
                 chunk64: &[],
-                prefetch_tiles: 0,
+                prefetch_ahead: 0,
                 score: 20,
             },
             Isa::Avx512 => IsaDesc {
@@ -235,7 +237,7 @@ impl Isa {
                 header: "bs_isa_avx512.h",
                 permuted: &["fp4"],
                 chunk64: &["fp8"],
-                prefetch_tiles: 1,
+                prefetch_ahead: 2048,
                 score: 30,
             },
             Isa::Neon => IsaDesc {
@@ -249,7 +251,7 @@ impl Isa {
                 header: "bs_isa_neon.h",
                 permuted: &[],
                 chunk64: &[],
-                prefetch_tiles: 0,
+                prefetch_ahead: 0,
                 score: 20,
             },
             // The same kernels as neon, compiled without the preset's flags.
