@@ -1,4 +1,4 @@
-/* AVX-512 (F/BW/VL/VBMI): 16 lanes, one vector per lane group. Byte and
+/* AVX-512 (F/BW/VL/VBMI/VNNI): 16 lanes, one vector per lane group. Byte and
  * word permutes do the spreading and the look-ups; every decoder yields the
  * logical lane order (lane l = column l of the group) except the FP4 one the
  * kernels use, bs_dec16p_e2m1 (see the permuted lane orders below). */
@@ -154,5 +154,8 @@ static inline float bs_reduce16(const bs_vf a[BS_G]) {
     return _mm_cvtss_f32(s1);
 }
 
+/* fp4×q8 with vpdpbusd (AVX512-VNNI), on x regrouped per 4 blocks (see
+ * bs_q8_x86.h and templates/q8.c.tera). */
+#define BS_Q8_XGROUP 4
 #include "bs_q8_x86.h"
 #endif

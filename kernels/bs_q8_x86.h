@@ -1,6 +1,6 @@
-/* fp4×q8 primitives for x86 (templates/q8.c.tera), AVX2 instructions; the
- * AVX2 and AVX-512 variants both include this. Eight block accumulators in
- * one __m256. */
+/* fp4×q8 primitives for x86 (templates/q8.c.tera); the AVX2 and AVX-512
+ * variants both include this, AVX-512 after defining BS_Q8_XGROUP for its
+ * VNNI block step. Eight block accumulators in one __m256. */
 #ifndef BS_Q8_X86_H
 #define BS_Q8_X86_H
 
@@ -35,6 +35,18 @@ static inline __m256i bs_q8_widen(__m256i r) {
                             _mm256_cvtepi16_epi32(_mm256_extracti128_si256(r, 1)));
 }
 
+/* The eight blocks' int32 totals t (offset already taken back) into the
+ * accumulators: acc = fma((float)t, (e8m0(ws) * 0.5) * xd, acc). */
+static inline void bs_q8_apply8(bs_q8acc *acc, __m256i t, const uint8_t *ws, const float *xd) {
+    /* scales: UE8M0 bits (0 -> 2^-127, 0xFF -> NaN), halved, times d */
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)ws));
+    __m256i bits = _mm256_slli_epi32(e, 23);
+    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x00400000), _mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
+    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32((int)BS_NAN_BITS), _mm256_cmpeq_epi32(e, _mm256_set1_epi32(255)));
+    const __m256 s = _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0.5f)), _mm256_loadu_ps(xd));
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), s, *acc);
+}
+
 /* xs: the blocks' sums of xq. A transposing add tree brings the eight
  * blocks' int16 pair sums to per-block totals (each int16 partial holds at
  * most 8 pairs: |sum| <= 24576, no overflow), widened to int32 at the end. */
@@ -47,14 +59,38 @@ static inline void bs_q8_step8(bs_q8acc *acc, const uint8_t *w, const uint8_t *w
     const __m256i e1 = bs_q8_widen(bs_q8_pair32(bs_q8_pair16(p[4], p[5]), bs_q8_pair16(p[6], p[7])));
     __m256i t = _mm256_add_epi32(_mm256_permute2x128_si256(e0, e1, 0x20), _mm256_permute2x128_si256(e0, e1, 0x31));
     t = _mm256_sub_epi32(t, _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)xs), _mm256_set1_epi32(12)));
-    /* scales: UE8M0 bits (0 -> 2^-127, 0xFF -> NaN), halved, times d */
-    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)ws));
-    __m256i bits = _mm256_slli_epi32(e, 23);
-    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x00400000), _mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
-    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32((int)BS_NAN_BITS), _mm256_cmpeq_epi32(e, _mm256_set1_epi32(255)));
-    const __m256 s = _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0.5f)), _mm256_loadu_ps(xd));
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), s, *acc);
+    bs_q8_apply8(acc, t, ws, xd);
 }
+
+#ifdef BS_Q8_XGROUP
+/* AVX-512 VNNI (the ISA header defines BS_Q8_XGROUP): the kernel regroups xq
+ * once per call so that each 4 blocks' 128 bytes are their 4 even halves,
+ * then their 4 odd halves, and one 64-byte load of packed weights (4 blocks)
+ * meets x directly: the low nibbles (2w + 12 by vpshufb) against the even
+ * halves, the high ones against the odd, four products a dword by vpdpbusd
+ * (exact int32), so 128-bit lane k holds block k's four partial sums. */
+static inline void bs_q8_step8g(bs_q8acc *acc, const uint8_t *w, const uint8_t *ws, const int8_t *xq, const float *xd,
+                                const int32_t *xs) {
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)BS_E2M1_X2_OFF12));
+    const __m512i m = _mm512_set1_epi8(0x0F);
+    __m512i t4[2];
+    for (int h = 0; h < 2; ++h) {
+        const __m512i v = _mm512_loadu_si512(w + 64 * h);
+        const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, m));
+        const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), m));
+        const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq + 128 * h));
+        t4[h] = _mm512_dpbusd_epi32(a, hi, _mm512_loadu_si512(xq + 128 * h + 64));
+    }
+    /* per 128-bit lane k, blocks k (t4[0]) and 4 + k (t4[1]): pair sums,
+     * then the two halves, leaving [T_k, T_4+k, T_k, T_4+k] */
+    __m512i p = _mm512_add_epi32(_mm512_unpacklo_epi32(t4[0], t4[1]), _mm512_unpackhi_epi32(t4[0], t4[1]));
+    p = _mm512_add_epi32(p, _mm512_shuffle_epi32(p, _MM_PERM_BADC));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m256i t = _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, p));
+    t = _mm256_sub_epi32(t, _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)xs), _mm256_set1_epi32(12)));
+    bs_q8_apply8(acc, t, ws, xd);
+}
+#endif
 
 /* ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)) */
 static inline float bs_q8_reduce(bs_q8acc a) {

@@ -15,6 +15,7 @@ pub fn has_feature(name: &str) -> bool {
             "avx512bw" => std::arch::is_x86_feature_detected!("avx512bw"),
             "avx512vl" => std::arch::is_x86_feature_detected!("avx512vl"),
             "avx512vbmi" => std::arch::is_x86_feature_detected!("avx512vbmi"),
+            "avx512vnni" => std::arch::is_x86_feature_detected!("avx512vnni"),
             _ => false,
         }
     }

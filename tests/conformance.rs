@@ -596,6 +596,9 @@ fn fp4_q8_matches_its_reference() {
     let mut shapes = awkward_shapes(Format::Fp4);
     // 8-block groups: exact, with a tail of 1 and of 7 blocks
     shapes.extend([(3, 256), (4, 288), (5, 480), (1, 32 * 17)]);
+    // rows past the widest that AVX-512 regroups x for (32768 columns; its
+    // other path) and the widest it does
+    shapes.extend([(2, 32768 + 32 * 9), (2, 32768)]);
     shapes.extend(specialised_shapes(Format::Fp4));
     for &(rows, cols) in &shapes {
         let o = Owned::random(&mut rng, Format::Fp4, rows, cols);
