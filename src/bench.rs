@@ -240,11 +240,15 @@ pub struct ReadBandwidth {
     pub one_stream_gb_per_s: f64,
 }
 
-/// Read bandwidth with the current pool: a streaming read of `bytes`, with
-/// 1, 2, 4 and 8 streams per thread, timed interleaved.
-pub fn read_bandwidth(bytes: usize, samples: usize) -> ReadBandwidth {
-    let buf: Vec<u64> = (0..bytes / 8).map(|i| i as u64).collect();
-    let buf = &buf;
+/// A buffer of `bytes` (rounded down to whole words) for the streaming read.
+pub fn read_buffer(bytes: usize) -> Vec<u64> {
+    (0..bytes / 8).map(|i| i as u64).collect()
+}
+
+/// Read bandwidth with the current pool: a streaming read of `buf` (see
+/// [`read_buffer`]), with 1, 2, 4 and 8 streams per thread, timed interleaved.
+pub fn read_bandwidth(buf: &[u64], samples: usize) -> ReadBandwidth {
+    let bytes = std::mem::size_of_val(buf);
     let mut reads: Vec<_> = READ_STREAMS
         .iter()
         .map(|&k| {
@@ -279,19 +283,13 @@ pub(crate) struct Weights0 {
     b_at: usize,
 }
 
-/// Where the weights start in a buffer made by [`placed`].
-fn start_index<T>(v: &[T], offset: usize) -> usize {
-    let size = std::mem::size_of::<T>();
-    let addr = v.as_ptr() as usize;
-    (64 + offset - addr % 64) % 64 / size
-}
-
 /// `n` values from `gen` in a fresh vector, placed `offset` bytes past a
-/// 64-byte boundary (`offset` a multiple of the element size).
+/// 64-byte boundary (`offset` a multiple of the element size); returns the
+/// vector and the index the values start at.
 fn placed<T: Copy + Default>(n: usize, offset: usize, gen: impl FnMut() -> T) -> (Vec<T>, usize) {
-    let spare = 64 / std::mem::size_of::<T>();
-    let mut v = vec![T::default(); n + spare];
-    let at = start_index(&v, offset);
+    let size = std::mem::size_of::<T>();
+    let mut v = vec![T::default(); n + 64 / size];
+    let at = (64 + offset - v.as_ptr() as usize % 64) % 64 / size;
     for (d, x) in v[at..at + n].iter_mut().zip(std::iter::repeat_with(gen)) {
         *d = x;
     }
@@ -477,6 +475,13 @@ fn cases(formats: &[Format]) -> Vec<(Format, usize, usize, String)> {
 }
 
 pub fn kernels(opts: &Options) -> Result<Results, String> {
+    // Bad options fail before the slow part (the bandwidth probe).
+    check_weight_offset(opts.weight_offset)?;
+    for i in &opts.isas {
+        if let Err(e) = Kernels::with_isa(*i) {
+            return Err(format!("--isa {i}: {e}"));
+        }
+    }
     let llc = llc_bytes();
     let machine = Machine {
         cpu: crate::cpu::cpu_name(),
@@ -512,11 +517,12 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
         }
     );
     let mut bandwidth = Vec::new();
-    // Also read beside every streamed case (see KernelResult::read_gb_per_s).
-    let read_buf: Vec<u64> = (0..stream_bytes / 8).map(|i| i as u64).collect();
+    // The probe's buffer, also read beside every streamed case (see
+    // KernelResult::read_gb_per_s).
+    let read_buf = read_buffer(stream_bytes);
     for &t in &thread_counts {
         let pool = crate::threads::pool(t);
-        let rb = pool.install(|| read_bandwidth(stream_bytes, samples));
+        let rb = pool.install(|| read_bandwidth(&read_buf, samples));
         eprintln!(
             "read bandwidth, {t} thread(s), {} MiB buffer: {:.1} GB/s ({} stream(s) per thread; one stream: {:.1} GB/s)",
             stream_bytes >> 20,
@@ -531,12 +537,6 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             streams: rb.streams,
             one_stream_gb_per_s: rb.one_stream_gb_per_s,
         });
-    }
-    check_weight_offset(opts.weight_offset)?;
-    for i in &opts.isas {
-        if let Err(e) = Kernels::with_isa(*i) {
-            return Err(format!("--isa {i}: {e}"));
-        }
     }
     let variants: Vec<Kernels> = COMPILED_ISAS
         .iter()
@@ -678,9 +678,9 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                         time_interleaved(&mut refs, samples, min_sample)
                     });
                     let read_gb = if residency == "stream" {
-                        stats
-                            .last()
-                            .map_or(bw, |r| read_buf.len() as f64 * 8.0 / r.0 / 1e9)
+                        stats.last().map_or(bw, |r| {
+                            std::mem::size_of_val(&read_buf[..]) as f64 / r.0 / 1e9
+                        })
                     } else {
                         bw
                     };

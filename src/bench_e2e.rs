@@ -2,7 +2,7 @@
 //! and all threads, next to the machine's read bandwidth measured in the same
 //! run, and the fraction of it decode reaches.
 
-use crate::bench::{llc_bytes, read_bandwidth};
+use crate::bench::{llc_bytes, read_bandwidth, read_buffer};
 use crate::generate::CausalLm;
 use crate::kernels::Kernels;
 use crate::model::ModelDir;
@@ -97,11 +97,12 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
     if opts.threads > 1 {
         counts.push(opts.threads);
     }
+    let read_buf = read_buffer(stream_bytes);
     let mut runs = Vec::new();
     for &t in &counts {
         let pool = crate::threads::pool(t);
         let run = pool.install(|| -> Result<E2eRun, String> {
-            let bw = read_bandwidth(stream_bytes, if opts.quick { 3 } else { 7 }).gb_per_s;
+            let bw = read_bandwidth(&read_buf, if opts.quick { 3 } else { 7 }).gb_per_s;
             let (mut pre, mut ttft, mut dec) = (Vec::new(), Vec::new(), Vec::new());
             for _ in 0..reps {
                 let mut cache = eng.new_cache(ctx).map_err(|e| e.to_string())?;
