@@ -16,6 +16,7 @@ pub fn has_feature(name: &str) -> bool {
             "avx512vl" => std::arch::is_x86_feature_detected!("avx512vl"),
             "avx512vbmi" => std::arch::is_x86_feature_detected!("avx512vbmi"),
             "avx512vnni" => std::arch::is_x86_feature_detected!("avx512vnni"),
+            "avx512bf16" => std::arch::is_x86_feature_detected!("avx512bf16"),
             _ => false,
         }
     }

@@ -2,6 +2,7 @@
 //! (build.rs), and safe wrappers that check every length and shape before
 //! calling C, split rows across threads, and pick specialised or generic.
 
+use crate::bf16act::{Bf16Act, Bf16X};
 use crate::plan::{AttnShape, Format, Isa};
 use crate::q8::{Fp4Act, Q8Act};
 use std::ffi::c_void;
@@ -89,6 +90,26 @@ pub struct Q8Kernel {
     pub f: Q8Fn,
 }
 
+pub type Bf16DotFn = unsafe extern "C" fn(
+    *const u16,
+    *const u16,
+    usize,
+    *mut f32,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+);
+
+/// A compiled bf16dot matmul (BF16 weights, activations rounded to BF16:
+/// src/bf16act.rs; AVX-512 BF16), specialised on `shape` = (rows, cols) or
+/// generic.
+pub struct Bf16DotKernel {
+    pub shape: Option<(usize, usize)>,
+    pub f: Bf16DotFn,
+}
+
 /// A compiled attention-decode kernel.
 pub struct AttnKernel {
     pub isa: Isa,
@@ -131,6 +152,8 @@ pub enum KernelError {
         missing: String,
         runnable: String,
     },
+    #[error("--bf16-act bf16 needs the bf16dot kernels: {0}; run without it (f32 activations, the default)")]
+    NoBf16Dot(String),
 }
 
 /// Weight data of a matrix, in one of the kernel formats.
@@ -292,6 +315,7 @@ pub struct AttnArgs<'a> {
 pub struct Kernels {
     isa: Isa,
     fp4_act: Fp4Act,
+    bf16_act: Bf16Act,
     /// The VRAM tier these kernels send resident matrices to (0: none; see
     /// [`crate::gpu::tier`]).
     tier: u32,
@@ -337,6 +361,7 @@ impl Kernels {
         Ok(Kernels {
             isa,
             fp4_act: Fp4Act::F32,
+            bf16_act: Bf16Act::F32,
             tier: 0,
         })
     }
@@ -352,6 +377,7 @@ impl Kernels {
         Kernels {
             isa,
             fp4_act: Fp4Act::F32,
+            bf16_act: Bf16Act::F32,
             tier: 0,
         }
     }
@@ -404,6 +430,172 @@ impl Kernels {
 
     pub fn fp4_act(&self) -> Fp4Act {
         self.fp4_act
+    }
+
+    /// These kernels with BF16 matrices multiplied as `act` says; `Bf16`
+    /// needs the bf16dot kernels (see [`Kernels::bf16dot_available`]).
+    pub fn with_bf16_act(self, act: Bf16Act) -> Result<Kernels, KernelError> {
+        if act == Bf16Act::Bf16 {
+            Self::bf16dot_available().map_err(KernelError::NoBf16Dot)?;
+        }
+        Ok(Kernels {
+            bf16_act: act,
+            ..self
+        })
+    }
+
+    pub fn bf16_act(&self) -> Bf16Act {
+        self.bf16_act
+    }
+
+    /// Whether this binary has bf16dot kernels and this CPU can run them
+    /// (the avx512 variant's features and AVX512_BF16); if not, why.
+    pub fn bf16dot_available() -> Result<(), String> {
+        if BF16DOT_KERNELS.is_empty() {
+            return Err(
+                "this build has none (they are built with the avx512 feature, on x86-64)".into(),
+            );
+        }
+        let mut missing = crate::cpu::missing_features(Isa::Avx512);
+        if !crate::cpu::has_feature("avx512bf16") {
+            missing.push("avx512bf16".into());
+        }
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("this CPU lacks {}", missing.join(", ")))
+        }
+    }
+
+    /// The bf16dot kernel for a shape: specialised when the build made one.
+    pub fn bf16dot_kernel(rows: usize, cols: usize) -> Option<&'static Bf16DotKernel> {
+        Self::bf16dot_kernel_specialised(rows, cols).or_else(Self::bf16dot_kernel_generic)
+    }
+
+    pub fn bf16dot_kernel_specialised(rows: usize, cols: usize) -> Option<&'static Bf16DotKernel> {
+        BF16DOT_KERNELS
+            .iter()
+            .find(|k| k.shape == Some((rows, cols)))
+    }
+
+    pub fn bf16dot_kernel_generic() -> Option<&'static Bf16DotKernel> {
+        BF16DOT_KERNELS.iter().find(|k| k.shape.is_none())
+    }
+
+    /// Y = W X for BF16 W and packed BF16 activations, with a given bf16dot
+    /// kernel (X's n tokens at once), rows split across threads.
+    pub fn matmul_bf16dot_with(
+        &self,
+        k: &Bf16DotKernel,
+        m: &Matrix,
+        x: &Bf16X,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let call = self.bf16dot_call(k, m, x, y)?;
+        self.par_rows(m.rows, m.rows * m.cols * x.n, call);
+        Ok(())
+    }
+
+    /// Rows r0..r1 of Y = W X only (of every token), on the calling thread.
+    pub fn matmul_bf16dot_rows_with(
+        &self,
+        k: &Bf16DotKernel,
+        m: &Matrix,
+        x: &Bf16X,
+        y: &mut [f32],
+        r0: usize,
+        r1: usize,
+    ) -> Result<(), KernelError> {
+        if r0 > r1 || r1 > m.rows {
+            return Err(KernelError::Shape(format!(
+                "rows {r0}..{r1} of a {}-row matrix",
+                m.rows
+            )));
+        }
+        let call = self.bf16dot_call(k, m, x, y)?;
+        call(r0, r1);
+        Ok(())
+    }
+
+    /// Check a bf16dot product's operands; then a call computing rows
+    /// r0..r1 (0 <= r0 <= r1 <= rows; concurrent calls on disjoint rows).
+    fn bf16dot_call(
+        &self,
+        k: &Bf16DotKernel,
+        m: &Matrix,
+        x: &Bf16X,
+        y: &mut [f32],
+    ) -> Result<impl Fn(usize, usize) + Sync + Send + Copy, KernelError> {
+        Self::bf16dot_available().map_err(KernelError::NoBf16Dot)?;
+        let Weights::Bf16(w) = m.weights else {
+            return Err(KernelError::Shape(format!(
+                "the bf16dot kernels take BF16 weights, not {}",
+                m.format()
+            )));
+        };
+        if let Some((r, c)) = k.shape {
+            if (r, c) != (m.rows, m.cols) {
+                return Err(KernelError::Shape(format!(
+                    "bf16dot kernel specialised for {r}×{c} used on a {}×{} matrix",
+                    m.rows, m.cols
+                )));
+            }
+        }
+        if x.cols != m.cols {
+            return Err(KernelError::Shape(format!(
+                "bf16dot activations of {} columns against a {}×{} matrix",
+                x.cols, m.rows, m.cols
+            )));
+        }
+        let (n, xs) = (x.n, x.stride());
+        check_len(&format!("bf16dot input X [{n}, {xs}]"), n * xs, x.h.len())?;
+        check_len(
+            &format!("matmul output Y [{n}, {}]", m.rows),
+            n * m.rows,
+            y.len(),
+        )?;
+        let (rows, cols) = (m.rows, m.cols);
+        let (wp, xp, yp) = (
+            SendPtr(w.as_ptr()),
+            SendPtr(x.h.as_ptr()),
+            SendPtr(y.as_mut_ptr()),
+        );
+        let f = k.f;
+        Ok(move |r0: usize, r1: usize| {
+            let (wp, xp, yp) = (wp, xp, yp);
+            if n == 0 || r0 >= r1 {
+                return;
+            }
+            // SAFETY: bf16dot_available checked that this CPU has every
+            // feature the kernel was compiled for; Matrix::new checked that
+            // w holds rows×cols values; x holds n rows of xs >= cols rounded
+            // up to 32 values (Bf16X::pack_from, checked above) and y n×rows;
+            // the kernel's shape matches; the callers pass 0 <= r0 <= r1 <=
+            // rows, and concurrent calls write disjoint rows of every token's
+            // output.
+            unsafe { f(wp.0, xp.0, xs, yp.0, rows, cols, n, r0, r1) }
+        })
+    }
+
+    /// Y = W X through the bf16dot kernels (X rounded to BF16 here).
+    fn matmul_bf16dot(
+        &self,
+        m: &Matrix,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let k = Self::bf16dot_kernel(m.rows, m.cols)
+            .ok_or_else(|| KernelError::NoBf16Dot("this build has none".into()))?;
+        // One buffer per thread, reused across calls.
+        thread_local! {
+            static ACT: std::cell::RefCell<Bf16X> = std::cell::RefCell::new(Bf16X::default());
+        }
+        ACT.with(|a| {
+            let mut a = a.borrow_mut();
+            a.pack_from(x, n, m.cols)?;
+            self.matmul_bf16dot_with(k, m, &a, y)
+        })
     }
 
     /// These kernels with products on matrices resident in VRAM tier `tier`
@@ -599,6 +791,9 @@ impl Kernels {
         if self.fp4_act == Fp4Act::Q8 && m.format() == Format::Fp4 {
             return self.matmul_q8(m, x, 1, y);
         }
+        if self.bf16_act == Bf16Act::Bf16 && m.format() == Format::Bf16 {
+            return self.matmul_bf16dot(m, x, 1, y);
+        }
         self.matvec_with(self.mat_kernel(m.format(), m.rows, m.cols), m, x, y)
     }
 
@@ -616,6 +811,9 @@ impl Kernels {
         }
         if self.fp4_act == Fp4Act::Q8 && m.format() == Format::Fp4 {
             return self.matmul_q8(m, x, n, y);
+        }
+        if self.bf16_act == Bf16Act::Bf16 && m.format() == Format::Bf16 {
+            return self.matmul_bf16dot(m, x, n, y);
         }
         self.matmul_with(self.mat_kernel(m.format(), m.rows, m.cols), m, x, n, y)
     }
@@ -901,6 +1099,9 @@ impl fmt::Display for Kernels {
         write!(f, "{}", self.isa)?;
         if self.fp4_act == Fp4Act::Q8 {
             write!(f, " (FP4 with int8 activations: fp4×q8)")?;
+        }
+        if self.bf16_act == Bf16Act::Bf16 {
+            write!(f, " (BF16 with BF16 activations: bf16dot)")?;
         }
         Ok(())
     }

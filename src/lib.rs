@@ -6,6 +6,7 @@ pub mod bench_compare;
 pub mod bench_e2e;
 pub mod bench_gpu;
 pub mod bench_plot;
+pub mod bf16act;
 pub mod chat;
 pub mod commands;
 pub mod cpu;

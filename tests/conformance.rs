@@ -5,8 +5,10 @@
 
 mod common;
 
+use bespoke::bf16act::{self, Bf16Act, Bf16X};
 use bespoke::kernels::{
-    AttnArgs, Kernels, Matrix, Weights, ATTN_KERNELS, COMPILED_ISAS, MAT_KERNELS, Q8_KERNELS,
+    AttnArgs, Kernels, Matrix, Weights, ATTN_KERNELS, BF16DOT_KERNELS, COMPILED_ISAS, MAT_KERNELS,
+    Q8_KERNELS,
 };
 use bespoke::plan::{Format, Isa, FORMATS};
 use bespoke::q8::{Fp4Act, Q8Act};
@@ -29,7 +31,11 @@ fn runnable() -> Vec<Kernels> {
     }
     eprintln!("kernel variants:\n{}", lines.join("\n"));
     if let Ok(req) = std::env::var("BESPOKE_REQUIRE_VARIANTS") {
-        for name in req.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        for name in req
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty() && *s != "bf16dot")
+        {
             let isa = Isa::parse(name)
                 .unwrap_or_else(|| panic!("BESPOKE_REQUIRE_VARIANTS: unknown variant {name}"));
             assert!(
@@ -680,10 +686,212 @@ fn fp4_q8_error_bound() {
     eprintln!("fp4×q8: worst |y_q8 - y_f32| / sum|w x| = {worst:.2e}");
 }
 
+/// Whether the bf16dot kernels can run here; if not, says why, and fails
+/// when BESPOKE_REQUIRE_VARIANTS names bf16dot.
+fn bf16dot_runs() -> bool {
+    match Kernels::bf16dot_available() {
+        Ok(()) => {
+            eprintln!("  bf16dot: RUN");
+            true
+        }
+        Err(why) => {
+            let required = std::env::var("BESPOKE_REQUIRE_VARIANTS")
+                .is_ok_and(|v| v.split(',').any(|s| s.trim() == "bf16dot"));
+            assert!(!required, "required variant bf16dot did not run: {why}");
+            eprintln!("  bf16dot: NOT run here: {why}");
+            false
+        }
+    }
+}
+
+/// bf16dot of one matrix against n tokens, generic and specialised, against
+/// its Rust definition bit for bit (NaN = NaN); also through the engine's
+/// path (matvec and matmul with BF16 activations). Returns the outputs.
+fn check_bf16dot(o: &Owned, x: &[f32], n: usize) -> Vec<f32> {
+    let (rows, cols) = (o.rows, o.cols);
+    let m = o.matrix();
+    let a = Bf16X::pack(x, n, cols).unwrap();
+    let xs = a.stride();
+    let mut want = vec![0f32; n * rows];
+    for j in 0..n {
+        for r in 0..rows {
+            want[j * rows + r] = bf16act::row_dot(
+                &o.h[r * cols..(r + 1) * cols],
+                &a.bits()[j * xs..(j + 1) * xs],
+            );
+        }
+    }
+    let k = Kernels::best();
+    let mut kernels = vec![("generic", Kernels::bf16dot_kernel_generic().unwrap())];
+    if let Some(s) = Kernels::bf16dot_kernel_specialised(rows, cols) {
+        kernels.push(("specialised", s));
+    }
+    for (kind, kern) in kernels {
+        let mut y = vec![f32::NAN; n * rows];
+        k.matmul_bf16dot_with(kern, &m, &a, &mut y).unwrap();
+        if let Some((i, p, q)) = first_diff(&y, &want) {
+            panic!(
+                "bf16dot {kind} {rows}x{cols} n={n}: token {} row {}: kernel {p:e} ({:#x}), reference {q:e} ({:#x})",
+                i / rows,
+                i % rows,
+                p.to_bits(),
+                q.to_bits()
+            );
+        }
+    }
+    let kb = k.with_bf16_act(Bf16Act::Bf16).unwrap();
+    let mut y = vec![f32::NAN; n * rows];
+    kb.matmul(&m, x, n, &mut y).unwrap();
+    assert!(first_diff(&y, &want).is_none(), "bf16dot via matmul");
+    let mut y1 = vec![f32::NAN; rows];
+    kb.matvec(&m, &x[..cols], &mut y1).unwrap();
+    assert!(
+        first_diff(&y1, &want[..rows]).is_none(),
+        "bf16dot via matvec"
+    );
+    want
+}
+
+#[test]
+fn bf16dot_matches_its_reference() {
+    if !bf16dot_runs() {
+        return;
+    }
+    let mut rng = Rng(13);
+    let mut shapes = awkward_shapes(Format::Bf16);
+    // whole chunks, a tail of 1 and of 31 columns; row tiles of 4 with 1-3
+    // rows left; row blocks of 128 KiB (rows past one block)
+    shapes.extend([(4, 32), (7, 33), (6, 63), (2, 4096 + 31), (70, 1024)]);
+    let (small, big): (Vec<_>, Vec<_>) = specialised_shapes(Format::Bf16)
+        .into_iter()
+        .partition(|&(r, c)| r * c <= 1 << 20);
+    shapes.extend(small);
+    for &(rows, cols) in &shapes {
+        let o = Owned::random(&mut rng, Format::Bf16, rows, cols);
+        for n in [1, 5, 6, 13] {
+            // every kind of activation (zeros, -0, subnormals, 1e30,
+            // f32::MAX) and, on some, an infinity and a NaN
+            let mut x = rng.activations(n * cols);
+            if cols >= 96 && n == 5 {
+                x[cols + 40] = f32::INFINITY;
+                x[2 * cols - 1] = f32::NAN;
+            }
+            let y = check_bf16dot(&o, &x, n);
+            if cols >= 96 && n == 5 {
+                assert!(y[rows..2 * rows].iter().all(|v| v.is_nan()));
+            }
+        }
+    }
+    // Bigger specialised shapes: one random row tiled over the matrix, row
+    // ranges at the start, an unaligned middle and the end, 7 tokens.
+    let k = Kernels::best();
+    for &(rows, cols) in &big {
+        let one = Owned::random(&mut rng, Format::Bf16, 1, cols);
+        let w = one.h.repeat(rows);
+        let m = Matrix::new(rows, cols, Weights::Bf16(&w)).unwrap();
+        let n = 7;
+        let x = rng.activations(n * cols);
+        let a = Bf16X::pack(&x, n, cols).unwrap();
+        let xs = a.stride();
+        let mid = rows / 2 + 7;
+        let spec = Kernels::bf16dot_kernel_specialised(rows, cols).unwrap();
+        let generic = Kernels::bf16dot_kernel_generic().unwrap();
+        for (r0, r1) in [(0, 9), (mid, (mid + 21).min(rows)), (rows - 5, rows)] {
+            for kern in [spec, generic] {
+                let mut y = vec![0f32; n * rows];
+                k.matmul_bf16dot_rows_with(kern, &m, &a, &mut y, r0, r1)
+                    .unwrap();
+                for j in 0..n {
+                    let want = bf16act::row_dot(&one.h, &a.bits()[j * xs..(j + 1) * xs]);
+                    for r in r0..r1 {
+                        assert!(
+                            common::same(y[j * rows + r], want),
+                            "bf16dot {rows}x{cols} token {j} row {r}: {} vs reference {want}",
+                            y[j * rows + r]
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // The flushing and the order of each pair, which random data rarely
+    // shows, on the CPU's own instruction.
+    let (w, x) = bf16act::edge_rows();
+    let o = Owned {
+        rows: 2,
+        cols: 64,
+        format: Format::Bf16,
+        f: vec![],
+        h: w,
+        b: vec![],
+        s: vec![],
+    };
+    let y = check_bf16dot(&o, &x, 2);
+    assert_eq!((y[0], y[3]), (f32::MIN_POSITIVE, 1.0));
+    let names: Vec<String> = BF16DOT_KERNELS
+        .iter()
+        .map(|k| {
+            k.shape
+                .map(|(r, c)| format!("{r}x{c}"))
+                .unwrap_or_else(|| "generic".into())
+        })
+        .collect();
+    eprintln!("bf16dot kernels checked: {}", names.join(", "));
+}
+
+/// The bf16dot variant stays within its stated error bound of the exact
+/// products (moderate values, like a hidden state), and the rounding shows.
+#[test]
+fn bf16dot_error_bound() {
+    if !bf16dot_runs() {
+        return;
+    }
+    let mut rng = Rng(14);
+    let k = Kernels::best().with_bf16_act(Bf16Act::Bf16).unwrap();
+    let mut worst = 0.0f64;
+    for &(rows, cols, n) in &[(64, 2048, 3), (37, 96, 7), (16, 4096, 1)] {
+        let w: Vec<u16> = (0..rows * cols)
+            .map(|_| bespoke::formats::f32_to_bf16(rng.unit() * 0.1))
+            .collect();
+        let m = Matrix::new(rows, cols, Weights::Bf16(&w)).unwrap();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.unit() * 3.0).collect();
+        let mut y = vec![0f32; n * rows];
+        k.matmul(&m, &x, n, &mut y).unwrap();
+        for j in 0..n {
+            let xt = &x[j * cols..(j + 1) * cols];
+            for r in 0..rows {
+                let wr = &w[r * cols..(r + 1) * cols];
+                let exact: f64 = wr
+                    .iter()
+                    .zip(xt)
+                    .map(|(&h, &v)| bespoke::formats::bf16_to_f32(h) as f64 * v as f64)
+                    .sum();
+                let bound = bf16act::error_bound(wr, xt);
+                let err = (y[j * rows + r] as f64 - exact).abs();
+                assert!(
+                    err <= bound,
+                    "{rows}x{cols} token {j} row {r}: |{} - {exact}| = {err:e} > bound {bound:e}",
+                    y[j * rows + r]
+                );
+                let mag: f64 = wr
+                    .iter()
+                    .zip(xt)
+                    .map(|(&h, &v)| (bespoke::formats::bf16_to_f32(h) as f64 * v as f64).abs())
+                    .sum();
+                worst = worst.max(err / mag);
+            }
+        }
+    }
+    // The rounding of x (up to 2^-9 of each term) must show.
+    assert!(worst > 1e-5, "bf16dot error suspiciously small: {worst:e}");
+    eprintln!("bf16dot: worst |y_bf16dot - y_exact| / sum|w x| = {worst:.2e}");
+}
+
 /// Prints which variants were compiled and which ran (CI shows this).
 #[test]
 fn report_variants() {
     let ks = runnable();
+    bf16dot_runs();
     assert!(
         ks.iter().any(|k| k.isa() == Isa::Scalar),
         "the scalar variant always runs"

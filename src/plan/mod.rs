@@ -818,6 +818,13 @@ pub fn q8_symbol(isa: Isa, shape: Option<&MatShape>) -> String {
     format!("bs_q8_fp4_{}_{}", isa.name(), tail)
 }
 
+/// C symbol of a bf16dot kernel (BF16 weights, activations rounded to BF16;
+/// AVX-512 BF16 only, templates/bf16dot.c.tera).
+pub fn bf16dot_symbol(shape: Option<&MatShape>) -> String {
+    let tail = shape.map(|s| s.key()).unwrap_or_else(|| "generic".into());
+    format!("bs_bf16dot_avx512_{tail}")
+}
+
 /// C symbol of an attention kernel.
 pub fn attn_symbol(isa: Isa, shape: Option<&AttnShape>) -> String {
     let tail = shape.map(|s| s.key()).unwrap_or_else(|| "generic".into());

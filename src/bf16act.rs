@@ -1,0 +1,243 @@
+//! The bf16dot variant: BF16 weights times activations rounded to BF16, with
+//! VDPBF16PS (AVX-512 BF16), which does two multiply-adds per f32 lane per
+//! instruction where the f32 kernels' FMA does one.
+//!
+//! This is a separately named variant (DESIGN.md, numerics contract), off
+//! unless asked for (`--bf16-act bf16`): it is not token-exact, because x is
+//! rounded to BF16 (8 significant bits, relative error at most 2⁻⁹) before
+//! the products, and the instruction flushes subnormal inputs and sums to
+//! zero. Its exact definition is in templates/bf16dot.c.tera; [`row_dot`]
+//! computes it in Rust (the conformance tests hold the kernels to it bit for
+//! bit), and [`error_bound`] bounds its distance from the exact product.
+
+use crate::formats;
+use crate::kernels::KernelError;
+
+/// Columns per chunk: one 64-byte vector of BF16 values.
+pub const CHUNK: usize = 32;
+
+/// Selects how BF16 matrices meet their activations (`--bf16-act`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Bf16Act {
+    /// f32 activations: bit-identical to the scalar reference (the default).
+    #[default]
+    F32,
+    /// Activations rounded to BF16, VDPBF16PS pair products (the bf16dot
+    /// kernels; AVX-512 BF16 CPUs only).
+    Bf16,
+}
+
+impl Bf16Act {
+    pub fn name(self) -> &'static str {
+        match self {
+            Bf16Act::F32 => "f32",
+            Bf16Act::Bf16 => "bf16",
+        }
+    }
+}
+
+/// The row stride of packed activations for `cols` columns: whole chunks,
+/// plus one more, so that the kernel's 6 token rows, read side by side, do
+/// not all start on multiples of 4 KiB and share L1 sets (at 2048 columns
+/// on a Zen 5 core: 300 → 330 GFLOP/s).
+pub fn stride(cols: usize) -> usize {
+    cols.div_ceil(CHUNK) * CHUNK + CHUNK
+}
+
+/// x rounded to BF16 as the kernels read it: to nearest even, a subnormal to
+/// zero of its sign (VDPBF16PS would read it as zero anyway), NaN stays NaN.
+pub fn round(x: f32) -> u16 {
+    if x.is_subnormal() {
+        return ((x.to_bits() >> 16) & 0x8000) as u16;
+    }
+    formats::f32_to_bf16(x)
+}
+
+/// Activations for the bf16dot kernels: n tokens of `cols` columns, rounded
+/// to BF16, each token's row zero-padded to [`stride`]. Built only by
+/// [`Bf16X::pack_from`], so the fields always agree.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Bf16X {
+    pub(crate) h: Vec<u16>,
+    pub(crate) n: usize,
+    pub(crate) cols: usize,
+}
+
+impl Bf16X {
+    pub fn n(&self) -> usize {
+        self.n
+    }
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// Row stride of [`Bf16X::bits`].
+    pub fn stride(&self) -> usize {
+        stride(self.cols)
+    }
+    /// [n][stride]: the rounded activations, zero past `cols`.
+    pub fn bits(&self) -> &[u16] {
+        &self.h
+    }
+
+    pub fn pack(x: &[f32], n: usize, cols: usize) -> Result<Bf16X, KernelError> {
+        let mut a = Bf16X::default();
+        a.pack_from(x, n, cols)?;
+        Ok(a)
+    }
+
+    /// Round x ([n][cols], row-major by token) into these buffers (reused
+    /// across calls).
+    pub fn pack_from(&mut self, x: &[f32], n: usize, cols: usize) -> Result<(), KernelError> {
+        let want = n
+            .checked_mul(cols)
+            .ok_or_else(|| KernelError::Shape("bf16dot: n × cols overflows".into()))?;
+        if x.len() != want {
+            return Err(KernelError::Length {
+                what: format!("bf16dot activations [{n}, {cols}]"),
+                expected: want,
+                found: x.len(),
+            });
+        }
+        let xs = stride(cols);
+        self.h.clear();
+        self.h.resize(n * xs, 0);
+        if cols > 0 {
+            for (xt, ht) in x.chunks_exact(cols).zip(self.h.chunks_exact_mut(xs)) {
+                for (h, &v) in ht.iter_mut().zip(xt) {
+                    *h = round(v);
+                }
+            }
+        }
+        self.n = n;
+        self.cols = cols;
+        Ok(())
+    }
+}
+
+/// Zero for a subnormal (VDPBF16PS's flush of its inputs and of each sum,
+/// which gives +0 on the Zen 5 measured whatever the sign), else v.
+fn ftz(v: f32) -> f32 {
+    if v.is_subnormal() {
+        0.0
+    } else {
+        v
+    }
+}
+
+/// One output of the bf16dot definition: row `w` (BF16 bits, `cols` long)
+/// against one token's packed activations `x` (at least cols rounded up to
+/// 32 values, zero past cols).
+pub fn row_dot(w: &[u16], x: &[u16]) -> f32 {
+    let cols = w.len();
+    let get = |c: usize| -> (f32, f32) {
+        if c < cols {
+            (
+                ftz(formats::bf16_to_f32(w[c])),
+                ftz(formats::bf16_to_f32(x[c])),
+            )
+        } else {
+            (0.0, 0.0)
+        }
+    };
+    let mut acc = [0.0f32; 16];
+    for k in 0..cols.div_ceil(CHUNK) {
+        for (l, a) in acc.iter_mut().enumerate() {
+            let c0 = CHUNK * k + 2 * l;
+            let (w0, x0) = get(c0);
+            let (w1, x1) = get(c0 + 1);
+            // Each step rounds once, as an FMA does: the product is exact
+            // (VDPBF16PS keeps it whole, even past f32's range), only the
+            // sum is rounded and, if subnormal, flushed.
+            *a = ftz(w1.mul_add(x1, *a));
+            *a = ftz(w0.mul_add(x0, *a));
+        }
+    }
+    crate::reference::reduce16(&acc)
+}
+
+/// A bound on |y_bf16dot − Σ w·x| (exact) for one output, from the row's
+/// weights (BF16 bits) and the token's f32 activations:
+/// - rounding x to BF16: 2⁻⁹·Σ|w·x|, or 2⁻¹²⁶·|w| where x is subnormal;
+/// - subnormal weights read as zero: 2⁻¹²⁶·|x| each;
+/// - f32 additions, 2 per chunk per lane and 4 in the lane tree:
+///   (2·chunks + 4)·2⁻²⁴·(1 + 2⁻²⁴)^… ≈ (2·chunks + 5)·2⁻²⁴·Σ|w·x̂|;
+/// - every flushed sum: under 2⁻¹²⁶ each, 2 per column pair (3 allowed).
+pub fn error_bound(w: &[u16], x: &[f32]) -> f64 {
+    let two = |e: i32| f64::powi(2.0, e);
+    let chunks = w.len().div_ceil(CHUNK) as f64;
+    let mut round_err = 0.0f64;
+    let mut mass_hat = 0.0f64;
+    for (&h, &v) in w.iter().zip(x) {
+        let wv = formats::bf16_to_f32(h) as f64;
+        let xv = v as f64;
+        let xh = formats::bf16_to_f32(round(v)) as f64;
+        round_err += if v.is_subnormal() {
+            wv.abs() * two(-126)
+        } else {
+            (wv * xv).abs() * two(-9)
+        };
+        if formats::bf16_to_f32(h).is_subnormal() {
+            round_err += xv.abs() * two(-126);
+        }
+        mass_hat += (wv * xh).abs();
+    }
+    round_err
+        + (2.0 * chunks + 5.0) * two(-24) * 1.001 * mass_hat
+        + 3.0 * w.len() as f64 * two(-126)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_and_packing() {
+        assert_eq!(round(1.0), 0x3F80);
+        // halfway between 1 and the next BF16 value: to even (1)
+        assert_eq!(round(f32::from_bits(0x3F80_8000)), 0x3F80);
+        assert_eq!(round(f32::from_bits(0x3F81_8000)), 0x3F82);
+        assert_eq!(round(-f32::from_bits(1)), 0x8000);
+        assert!(formats::bf16_to_f32(round(f32::NAN)).is_nan());
+        let x: Vec<f32> = (0..2 * 40).map(|i| i as f32).collect();
+        let a = Bf16X::pack(&x, 2, 40).unwrap();
+        assert_eq!(a.stride(), 96);
+        assert_eq!(a.bits().len(), 2 * 96);
+        assert_eq!(a.bits()[96 + 1], round(41.0));
+        assert!(a.bits()[40..96].iter().all(|&h| h == 0));
+        let e = Bf16X::pack(&x, 3, 40).unwrap_err().to_string();
+        assert!(e.contains("[3, 40]") && e.contains("120"), "{e}");
+    }
+
+    #[test]
+    fn definition_flushes_and_orders_pairs() {
+        let (w, x) = edge_rows();
+        let x = Bf16X::pack(&x, 2, 64).unwrap();
+        let xs = x.stride();
+        // flush: 2·min − 1.5·min is subnormal → 0, then + min
+        assert_eq!(row_dot(&w[..64], &x.bits()[..xs]), f32::MIN_POSITIVE);
+        // order: (2⁻²⁴ + 1) + 2⁻²⁴ = 1 (ties to even twice); even column
+        // first would give 1 + 2⁻²³
+        assert_eq!(row_dot(&w[64..], &x.bits()[xs..]), 1.0);
+    }
+}
+
+/// A 2×64 BF16 matrix and two tokens of activations ([2][64]) on which the
+/// definition's flushing (row 0 with token 0) and its odd-before-even order
+/// (row 1 with token 1) show: see the unit test; the conformance tests run
+/// them through the kernels.
+pub fn edge_rows() -> (Vec<u16>, Vec<f32>) {
+    let min = f32::MIN_POSITIVE;
+    let e = f32::powi(2.0, -24);
+    let mut w = vec![0u16; 128];
+    let mut x = vec![0.0f32; 128];
+    // lane 0 adds columns 1, 0, then 33, 32
+    for (c, wv, xv) in [(1, 1.0, 2.0 * min), (0, 1.0, -1.5 * min), (33, 1.0, min)] {
+        w[c] = formats::f32_to_bf16(wv);
+        x[c] = xv;
+    }
+    for (c, wv, xv) in [(1, e, 1.0), (33, 1.0, 1.0), (32, e, 1.0)] {
+        w[64 + c] = formats::f32_to_bf16(wv);
+        x[64 + c] = xv;
+    }
+    (w, x)
+}
