@@ -17,6 +17,7 @@ fn main() {
             bespoke::plan::Format::Fp4,
         ],
         fp4_q8: true,
+        bf16dot: true,
         shapes: bespoke::bench::ShapeSet::Default,
         isas: vec![],
         weight_offset: 0,

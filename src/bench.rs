@@ -22,6 +22,10 @@ pub struct Options {
     /// Also time the fp4×q8 variant (FP4 weights, int8 activations; shown as
     /// format "fp4q8") on every FP4 case, the activation quantization included.
     pub fp4_q8: bool,
+    /// Also time the bf16dot variant (BF16 weights, activations rounded to
+    /// BF16; shown as format "bf16dot", under the avx512 variant) on every
+    /// BF16 case, the rounding of x included, where this CPU has AVX512_BF16.
+    pub bf16dot: bool,
     /// Only these ISA variants (all compiled ones this CPU runs if empty).
     pub isas: Vec<crate::plan::Isa>,
     /// The weights start this many bytes past a 64-byte boundary (0..64, a
@@ -71,6 +75,17 @@ const MAX_BENCH_MATRIX_BYTES: usize = 256 << 20;
 enum Kern {
     Mat(&'static MatKernel),
     Q8(&'static Q8Kernel),
+    Bf16Dot(&'static crate::kernels::Bf16DotKernel),
+}
+
+/// How a case's activations meet the weights.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Act {
+    F32,
+    /// fp4×q8 (FP4 cases).
+    Q8,
+    /// bf16dot (BF16 cases).
+    Bf16Dot,
 }
 
 #[derive(Serialize)]
@@ -554,18 +569,28 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             skipped.join(", ")
         );
     }
-    // (format, rows, cols, origin, fp4×q8)
-    let mut all: Vec<(Format, usize, usize, String, bool)> =
+    // (format, rows, cols, origin, activations)
+    let mut all: Vec<(Format, usize, usize, String, Act)> =
         shape_cases(&opts.shapes, &opts.formats)?
             .into_iter()
-            .map(|(f, r, c, o)| (f, r, c, o, false))
+            .map(|(f, r, c, o)| (f, r, c, o, Act::F32))
             .collect();
     if opts.fp4_q8 {
         all.extend(
             shape_cases(&opts.shapes, &[Format::Fp4])?
                 .into_iter()
-                .map(|(f, r, c, o)| (f, r, c, o, true)),
+                .map(|(f, r, c, o)| (f, r, c, o, Act::Q8)),
         );
+    }
+    if opts.bf16dot {
+        match Kernels::bf16dot_available() {
+            Ok(()) => all.extend(
+                shape_cases(&opts.shapes, &[Format::Bf16])?
+                    .into_iter()
+                    .map(|(f, r, c, o)| (f, r, c, o, Act::Bf16Dot)),
+            ),
+            Err(why) => eprintln!("bf16dot not timed: {why}"),
+        }
     }
     if all.is_empty() {
         return Err(format!(
@@ -577,12 +602,12 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
     let total = cases.len() * variants.len() * 2 * thread_counts.len() * 2;
     let mut done = 0;
     let mut results = Vec::new();
-    for (ci, (format, rows, cols, origin, q8)) in cases.iter().enumerate() {
-        let (format, rows, cols, q8) = (*format, *rows, *cols, *q8);
-        let label = if q8 {
-            "fp4q8".to_string()
-        } else {
-            format.to_string()
+    for (ci, (format, rows, cols, origin, act)) in cases.iter().enumerate() {
+        let (format, rows, cols, act) = (*format, *rows, *cols, *act);
+        let label = match act {
+            Act::F32 => format.to_string(),
+            Act::Q8 => "fp4q8".to_string(),
+            Act::Bf16Dot => "bf16dot".to_string(),
         };
         let one = make_weights(format, rows, cols, ci as u64 + 1, opts.weight_offset);
         let bytes = matrix(format, rows, cols, &one).bytes();
@@ -598,7 +623,20 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
             .collect();
         for k in &variants {
-            let kinds: Vec<(&str, Kern)> = if q8 {
+            let kinds: Vec<(&str, Kern)> = if act == Act::Bf16Dot {
+                // One kernel set, listed under the avx512 variant.
+                if k.isa() != crate::plan::Isa::Avx512 {
+                    continue;
+                }
+                [
+                    Kernels::bf16dot_kernel_specialised(rows, cols)
+                        .map(|s| ("specialised", Kern::Bf16Dot(s))),
+                    Kernels::bf16dot_kernel_generic().map(|g| ("generic", Kern::Bf16Dot(g))),
+                ]
+                .into_iter()
+                .flatten()
+                .collect()
+            } else if act == Act::Q8 {
                 [
                     k.q8_kernel_specialised(rows, cols)
                         .map(|s| ("specialised", Kern::Q8(s))),
@@ -648,6 +686,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                             let (mats, x, k, kern) = (&mats, &x, *k, *kern);
                             let mut y = vec![0f32; rows];
                             let mut a = Q8Act::default();
+                            let mut bx = crate::bf16act::Bf16X::default();
                             let mut i = 0;
                             Box::new(move || {
                                 let m = &mats[i % mats.len()];
@@ -657,6 +696,9 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                                     Kern::Q8(kern) => a
                                         .quantize_from(x)
                                         .and_then(|()| k.matvec_q8_with(kern, m, &a, &mut y)),
+                                    Kern::Bf16Dot(kern) => bx
+                                        .pack_from(x, 1, x.len())
+                                        .and_then(|()| k.matmul_bf16dot_with(kern, m, &bx, &mut y)),
                                 }
                                 .expect("benchmark matvec");
                                 black_box(&y);
@@ -766,11 +808,17 @@ fn print_summary(r: &[KernelResult]) {
         let ratio = generic
             .map(|g| g.median_us / s.median_us)
             .unwrap_or(f64::NAN);
-        // fp4×q8 next to the same FP4 matrix with f32 activations.
-        let vs_fp4 = (s.format == "fp4q8")
-            .then(|| {
+        // fp4×q8 (bf16dot) next to the same FP4 (BF16) matrix with f32
+        // activations.
+        let base = match s.format.as_str() {
+            "fp4q8" => Some("fp4"),
+            "bf16dot" => Some("bf16"),
+            _ => None,
+        };
+        let vs_fp4 = base
+            .map(|b| {
                 r.iter().find(|f| {
-                    f.format == "fp4"
+                    f.format == b
                         && f.kernel == s.kernel
                         && (f.rows, f.cols, &f.isa, f.threads, &f.residency)
                             == (s.rows, s.cols, &s.isa, s.threads, &s.residency)
@@ -779,8 +827,9 @@ fn print_summary(r: &[KernelResult]) {
             .flatten()
             .map(|f| {
                 format!(
-                    ", {:.2}x fp4 with f32 activations",
-                    f.median_us / s.median_us
+                    ", {:.2}x {} with f32 activations",
+                    f.median_us / s.median_us,
+                    f.format
                 )
             })
             .unwrap_or_default();

@@ -218,7 +218,14 @@ fn compare_kernels(a: &Run, b: &Run, out: &mut String) -> Result<(), String> {
 }
 
 fn compare_e2e(a: &Run, b: &Run, out: &mut String) -> Result<(), String> {
-    for f in ["model", "kernels", "fp4_act", "prompt_len", "gen"] {
+    for f in [
+        "model",
+        "kernels",
+        "fp4_act",
+        "bf16_act",
+        "prompt_len",
+        "gen",
+    ] {
         let (x, y) = (text(&a.v, f), text(&b.v, f));
         if x != y {
             writeln!(out, "note: {f} differs: A {x}, B {y}").unwrap();

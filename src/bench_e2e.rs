@@ -40,6 +40,8 @@ pub struct E2eResults {
     pub kernels: String,
     /// "f32" or "q8" (the fp4×q8 variant).
     pub fp4_act: String,
+    /// "f32" or "bf16" (the bf16dot variant).
+    pub bf16_act: String,
     pub specialised_matrices: (usize, usize),
     pub cpu: String,
     pub llc_bytes: usize,
@@ -58,10 +60,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
     let m = ModelDir::open(dir).map_err(|e| e.to_string())?;
-    let k = Kernels::from_env()
-        .map_err(|e| e.to_string())?
-        .kernels
-        .with_fp4_act(opts.num.fp4_act);
+    let k = crate::commands::numerics_kernels(
+        Kernels::from_env().map_err(|e| e.to_string())?.kernels,
+        &opts.num,
+    )?;
     let eng = crate::commands::engine(&m, k, opts.num)?;
     let vocab = eng.vocab();
     let ctx = opts.prompt_len + opts.gen;
@@ -149,6 +151,7 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
         family: m.config.family.name().into(),
         kernels: k.isa().name().into(),
         fp4_act: k.fp4_act().name().into(),
+        bf16_act: k.bf16_act().name().into(),
         specialised_matrices: crate::commands::specialisation(&m, &k),
         cpu: crate::cpu::cpu_name(),
         llc_bytes: llc,

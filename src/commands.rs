@@ -117,6 +117,11 @@ fn banner(m: &ModelDir, k: &Kernels, reason: &str, ctx: usize) {
             "fp4×q8: FP4 products use int8 activations (--fp4-act q8): faster, not token-exact"
         );
     }
+    if k.bf16_act() == crate::bf16act::Bf16Act::Bf16 && has_bf16(m) {
+        eprintln!(
+            "bf16dot: BF16 products use BF16 activations (--bf16-act bf16): faster prefill, not token-exact"
+        );
+    }
 }
 
 /// `--numerics`: see [`crate::engine::dsv4::Numerics`].
@@ -143,6 +148,15 @@ pub struct NumericsArgs {
     /// token-exact (the error bound is in src/q8.rs and tested).
     #[arg(long, value_name = "ACT", value_enum, default_value_t = crate::q8::Fp4Act::F32)]
     pub fp4_act: crate::q8::Fp4Act,
+    /// How BF16 weights meet their activations. `f32` (default): exact f32
+    /// products, bit-identical to the scalar reference. `bf16`: the bf16dot
+    /// kernels — activations rounded to BF16, VDPBF16PS pair products (twice
+    /// the f32 FMA's multiply-adds: faster prefill, as llama.cpp computes
+    /// BF16 models); not token-exact (the definition and error bound are in
+    /// src/bf16act.rs and tested). Needs a CPU with AVX512_BF16 (Zen 4 and
+    /// later, Cooper Lake, Sapphire Rapids and later).
+    #[arg(long, value_name = "ACT", value_enum, default_value_t = crate::bf16act::Bf16Act::F32)]
+    pub bf16_act: crate::bf16act::Bf16Act,
     /// `cuda` builds with a GPU: the VRAM budget in GiB for the weights put
     /// on the GPU (dense matrices first, then the most used routed experts of
     /// each layer, counted in <model>/.bespoke/expert-usage.json). Default:
@@ -166,6 +180,20 @@ pub fn save_usage(m: &ModelDir, eng: &AnyModel) {
     }
 }
 
+fn has_bf16(m: &ModelDir) -> bool {
+    m.bytes_by_format()
+        .iter()
+        .any(|(f, _)| f.starts_with("BF16"))
+}
+
+/// The kernels with the numerics options' activation variants applied
+/// (an error when `--bf16-act bf16` cannot run here).
+pub fn numerics_kernels(k: Kernels, num: &NumericsArgs) -> Result<Kernels, String> {
+    k.with_fp4_act(num.fp4_act)
+        .with_bf16_act(num.bf16_act)
+        .map_err(|e| e.to_string())
+}
+
 fn has_fp4(m: &ModelDir) -> bool {
     m.bytes_by_format()
         .iter()
@@ -174,9 +202,12 @@ fn has_fp4(m: &ModelDir) -> bool {
 
 /// The engine for a model, with the numerics options applied.
 pub fn engine<'m>(m: &'m ModelDir, k: Kernels, num: NumericsArgs) -> Result<AnyModel<'m>, String> {
-    let k = k.with_fp4_act(num.fp4_act);
+    let k = numerics_kernels(k, &num)?;
     if num.fp4_act == crate::q8::Fp4Act::Q8 && !has_fp4(m) {
         eprintln!("note: --fp4-act q8 changes nothing here: this model has no FP4 weights");
+    }
+    if num.bf16_act == crate::bf16act::Bf16Act::Bf16 && !has_bf16(m) {
+        eprintln!("note: --bf16-act bf16 changes nothing here: this model has no BF16 weights");
     }
     let mut eng = AnyModel::load(m, k).map_err(|e| e.to_string())?;
     let experts: Vec<usize> = eng.usage().snapshot().iter().map(Vec::len).collect();
@@ -358,7 +389,7 @@ pub fn run(a: RunArgs) -> Result<(), String> {
         sampling.seed = s;
     }
     sampling.validate()?;
-    let k = k.with_fp4_act(a.num.fp4_act);
+    let k = numerics_kernels(k, &a.num)?;
     let eng = engine(&m, k, a.num)?;
     banner(&m, &k, &reason, prompt_ids.len() + max_new);
     let opts = GenOptions {
@@ -392,6 +423,7 @@ pub fn run(a: RunArgs) -> Result<(), String> {
             "stop_reason": g.stop_reason,
             "kernels": k.isa().name(),
             "fp4_act": k.fp4_act().name(),
+            "bf16_act": k.bf16_act().name(),
             "timings": t,
         });
         println!("{v}");
@@ -465,7 +497,7 @@ pub fn score(a: ScoreArgs) -> Result<(), String> {
     if ids.is_empty() {
         return Err("nothing to score: the sequence is empty".into());
     }
-    let k = k.with_fp4_act(a.num.fp4_act);
+    let k = numerics_kernels(k, &a.num)?;
     let eng = engine(&m, k, a.num)?;
     if !a.json {
         banner(&m, &k, &reason, ids.len());
@@ -478,7 +510,7 @@ pub fn score(a: ScoreArgs) -> Result<(), String> {
     let am: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();
     let last = &logits[logits.len() - vocab..];
     if a.json {
-        let mut v = json!({"ids": ids, "argmax": am, "kernels": k.isa().name(), "fp4_act": k.fp4_act().name()});
+        let mut v = json!({"ids": ids, "argmax": am, "kernels": k.isa().name(), "fp4_act": k.fp4_act().name(), "bf16_act": k.bf16_act().name()});
         if a.logits.is_some() {
             v["last_logits"] = json!(last);
         }

@@ -451,20 +451,27 @@ impl Kernels {
     /// Whether this binary has bf16dot kernels and this CPU can run them
     /// (the avx512 variant's features and AVX512_BF16); if not, why.
     pub fn bf16dot_available() -> Result<(), String> {
-        if BF16DOT_KERNELS.is_empty() {
-            return Err(
-                "this build has none (they are built with the avx512 feature, on x86-64)".into(),
-            );
-        }
-        let mut missing = crate::cpu::missing_features(Isa::Avx512);
-        if !crate::cpu::has_feature("avx512bf16") {
-            missing.push("avx512bf16".into());
-        }
-        if missing.is_empty() {
-            Ok(())
-        } else {
-            Err(format!("this CPU lacks {}", missing.join(", ")))
-        }
+        // Asked once: every bf16dot product checks it.
+        static AVAILABLE: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+        AVAILABLE
+            .get_or_init(|| {
+                if BF16DOT_KERNELS.is_empty() {
+                    return Err(
+                        "this build has none (they are built with the avx512 feature, on x86-64)"
+                            .into(),
+                    );
+                }
+                let mut missing = crate::cpu::missing_features(Isa::Avx512);
+                if !crate::cpu::has_feature("avx512bf16") {
+                    missing.push("avx512bf16".into());
+                }
+                if missing.is_empty() {
+                    Ok(())
+                } else {
+                    Err(format!("this CPU lacks {}", missing.join(", ")))
+                }
+            })
+            .clone()
     }
 
     /// The bf16dot kernel for a shape: specialised when the build made one.

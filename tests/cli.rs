@@ -701,6 +701,101 @@ fn fp4_act_q8_flag() {
     assert!(!ok && err.contains("q8"), "{err}");
 }
 
+/// `--bf16-act bf16` (the bf16dot kernels for BF16 matrices) runs where the
+/// CPU has AVX512_BF16, says so, and moves the logits a little (BF16
+/// activations) without changing most greedy choices; where it cannot run,
+/// it is a clear error, not a silent fallback.
+#[test]
+fn bf16_act_flag() {
+    let (_, ids) = ref_prompt("tiny-llama", 0);
+    let args = |extra: &[&'static str]| {
+        let mut a: Vec<String> = [
+            "score",
+            "--model",
+            "fixtures/tiny-llama",
+            "--ids",
+            &ids,
+            "--json",
+            "--logits",
+            "last",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let score = |extra: &[&'static str]| {
+        let a = args(extra);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        run(&a)
+    };
+    let (ok, out32, err) = score(&[]);
+    assert!(ok, "{err}");
+    let (ok, out16, err) = score(&["--bf16-act", "bf16"]);
+    match bespoke::kernels::Kernels::bf16dot_available() {
+        Err(why) => {
+            assert!(
+                !ok && err.contains("--bf16-act bf16 needs the bf16dot kernels")
+                    && err.contains(&why),
+                "{err}"
+            );
+            eprintln!("bf16dot not available here ({why}): checked the error");
+        }
+        Ok(()) => {
+            assert!(ok, "{err}");
+            let v32: serde_json::Value = serde_json::from_str(&out32).unwrap();
+            let v16: serde_json::Value = serde_json::from_str(&out16).unwrap();
+            assert_eq!(v32["bf16_act"], "f32");
+            assert_eq!(v16["bf16_act"], "bf16");
+            let logits = |v: &serde_json::Value| -> Vec<f64> {
+                v["last_logits"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap())
+                    .collect()
+            };
+            let (l32, l16) = (logits(&v32), logits(&v16));
+            assert!(l16.iter().all(|x| x.is_finite()));
+            let dist = l32
+                .iter()
+                .zip(&l16)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f64::max);
+            let scale = l32.iter().map(|x| x.abs()).fold(0.0, f64::max);
+            assert!(dist > 0.0, "BF16 activations changed nothing");
+            assert!(
+                dist < 0.05 * scale,
+                "BF16 activations moved the logits by {dist} (largest |logit| {scale})"
+            );
+            let am = |v: &serde_json::Value| v["argmax"].as_array().unwrap().clone();
+            let (a32, a16) = (am(&v32), am(&v16));
+            let same = a32.iter().zip(&a16).filter(|(x, y)| x == y).count();
+            assert!(
+                same * 10 >= a32.len() * 9,
+                "greedy choices: {same} of {} the same",
+                a32.len()
+            );
+            let (ok, _, err) = run(&[
+                "run",
+                "--model",
+                "fixtures/tiny-llama",
+                "--bf16-act",
+                "bf16",
+                "--max-new-tokens",
+                "2",
+            ]);
+            assert!(
+                ok && err.contains("bf16dot") && err.contains("not token-exact"),
+                "{err}"
+            );
+        }
+    }
+    let (ok, _, err) = run(&["run", "--bf16-act", "f16"]);
+    assert!(!ok && err.contains("bf16"), "{err}");
+}
+
 /// `--numerics deepseek` follows DeepSeek's inference code on DeepSeek V4
 /// (FP8 activations into FP8/FP4 products): it runs, changes the logits, and
 /// is refused for other families.

@@ -160,9 +160,11 @@ enum BenchWhat {
         #[arg(long, value_name = "FILE.svg")]
         plot: Option<PathBuf>,
         /// Only kernels whose format is one of these (comma-separated: f32, bf16,
-        /// fp8, fp4, and fp4q8 — the fp4×q8 variant: FP4 weights times
-        /// activations rounded to int8 per 32 columns, quantization included).
-        /// Default: bf16,fp8,fp4,fp4q8.
+        /// fp8, fp4, fp4q8 — the fp4×q8 variant: FP4 weights times
+        /// activations rounded to int8 per 32 columns, quantization included —
+        /// and bf16dot — BF16 weights times activations rounded to BF16, on
+        /// AVX512_BF16 CPUs, rounding included). Default:
+        /// bf16,fp8,fp4,fp4q8,bf16dot.
         #[arg(long, value_name = "LIST")]
         formats: Option<String>,
         /// Only these ISA variants (comma-separated, e.g. `avx512` or
@@ -349,17 +351,19 @@ fn run(cli: Cli) -> Result<(), String> {
                 },
         } => {
             let n = threads::init(threads::resolve(t)?);
-            let list = formats.unwrap_or_else(|| "bf16,fp8,fp4,fp4q8".into());
+            let list = formats.unwrap_or_else(|| "bf16,fp8,fp4,fp4q8,bf16dot".into());
             let mut formats = Vec::new();
-            let mut fp4_q8 = false;
+            let (mut fp4_q8, mut bf16dot) = (false, false);
             for s in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-                if s == "fp4q8" {
-                    fp4_q8 = true;
-                    continue;
+                match s {
+                    "fp4q8" => fp4_q8 = true,
+                    "bf16dot" => bf16dot = true,
+                    _ => formats.push(plan::Format::parse(s).ok_or_else(|| {
+                        format!(
+                            "--formats: unknown format {s:?} (f32, bf16, fp8, fp4, fp4q8, bf16dot)"
+                        )
+                    })?),
                 }
-                formats.push(plan::Format::parse(s).ok_or_else(|| {
-                    format!("--formats: unknown format {s:?} (f32, bf16, fp8, fp4, fp4q8)")
-                })?);
             }
             let shapes = bench::ShapeSet::from_args(model, shapes.as_deref());
             let mut isas = Vec::new();
@@ -382,6 +386,7 @@ fn run(cli: Cli) -> Result<(), String> {
                 quick,
                 formats,
                 fp4_q8,
+                bf16dot,
                 shapes,
                 isas,
                 weight_offset,
