@@ -815,8 +815,8 @@ fn print_summary(r: &[KernelResult]) {
             "bf16dot" => Some("bf16"),
             _ => None,
         };
-        let vs_fp4 = base
-            .map(|b| {
+        let vs_f32_act = base
+            .and_then(|b| {
                 r.iter().find(|f| {
                     f.format == b
                         && f.kernel == s.kernel
@@ -824,7 +824,6 @@ fn print_summary(r: &[KernelResult]) {
                             == (s.rows, s.cols, &s.isa, s.threads, &s.residency)
                 })
             })
-            .flatten()
             .map(|f| {
                 format!(
                     ", {:.2}x {} with f32 activations",
@@ -834,7 +833,7 @@ fn print_summary(r: &[KernelResult]) {
             })
             .unwrap_or_default();
         println!(
-            "  {:<5} {:>11} {:<7} {}t {:<6}  {:>6.1}% of read bandwidth, {:.2}x the generic kernel{vs_fp4}",
+            "  {:<5} {:>11} {:<7} {}t {:<6}  {:>6.1}% of read bandwidth, {:.2}x the generic kernel{vs_f32_act}",
             s.format,
             format!("{}×{}", s.rows, s.cols),
             s.isa,
