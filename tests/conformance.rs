@@ -760,8 +760,17 @@ fn bf16dot_matches_its_reference() {
     let mut rng = Rng(13);
     let mut shapes = awkward_shapes(Format::Bf16);
     // whole chunks, a tail of 1 and of 31 columns; row tiles of 4 with 1-3
-    // rows left; row blocks of 128 KiB (rows past one block)
-    shapes.extend([(4, 32), (7, 33), (6, 63), (2, 4096 + 31), (70, 1024)]);
+    // rows left; rows past one 128 KiB block
+    shapes.extend([
+        (4, 32),
+        (7, 33),
+        (6, 63),
+        (2, 4096 + 31),
+        (70, 1024),
+        (5, 1056),
+        (13, 2111),
+        (300, 1056),
+    ]);
     let (small, big): (Vec<_>, Vec<_>) = specialised_shapes(Format::Bf16)
         .into_iter()
         .partition(|&(r, c)| r * c <= 1 << 20);

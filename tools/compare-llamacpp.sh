@@ -164,12 +164,22 @@ STDOUT=$RUN/llama-bench.json logged llama-bench "$LLAMA_BENCH" -m "$GGUF" -p "$P
 say "bespoke bench e2e: --prompt-len $PROMPT --gen $GEN --threads $THREADS"
 logged bespoke-e2e "$BESPOKE_BIN" bench e2e --model "$MODEL" --prompt-len "$PROMPT" --gen "$GEN" \
   --threads "$THREADS" --json "$RUN/bespoke-e2e.json"
+# llama.cpp multiplies BF16 weights by activations rounded to BF16; bespoke's variant that does the
+# same (--bf16-act bf16, the bf16dot kernels) runs too where the CPU has AVX512_BF16.
+if "$BESPOKE_BIN" bench e2e --model "$MODEL" --prompt-len 1 --gen 1 --threads 1 --bf16-act bf16 \
+  >/dev/null 2>"$RUN/bf16dot-probe.log"; then
+  say "bespoke bench e2e --bf16-act bf16 (the bf16dot kernels, BF16 activations as llama.cpp's)"
+  logged bespoke-e2e-bf16dot "$BESPOKE_BIN" bench e2e --model "$MODEL" --prompt-len "$PROMPT" --gen "$GEN" \
+    --threads "$THREADS" --bf16-act bf16 --json "$RUN/bespoke-e2e-bf16dot.json"
+else
+  say "no bf16dot rows: $(tail -n 1 "$RUN/bf16dot-probe.log")"
+fi
 
 # ---- 4. kernels: test-backend-ops perf vs bespoke bench kernels ------------------------------
 # test-backend-ops runs the CPU backend at hardware_concurrency/2 threads (fixed); bespoke's kernels too.
 KT=$(( $(nproc) / 2 )); [[ $KT -ge 1 ]] || KT=1
-say "bespoke bench kernels: --formats bf16,fp4,fp4q8 --threads $KT"
-logged bespoke-kernels "$BESPOKE_BIN" bench kernels --formats bf16,fp4,fp4q8 --threads "$KT" \
+say "bespoke bench kernels: --formats bf16,fp4,fp4q8,bf16dot --threads $KT"
+logged bespoke-kernels "$BESPOKE_BIN" bench kernels --formats bf16,fp4,fp4q8,bf16dot --threads "$KT" \
   --json "$RUN/bespoke-kernels.json"
 # llama.cpp's own matvec perf cases (n=1) for BF16 and MXFP4: other shapes than bespoke's.
 say "test-backend-ops perf: built-in MUL_MAT cases, bf16 and mxfp4, n=1"
@@ -200,13 +210,18 @@ import json, re, sys
 run, kt, threads, version, cpu, bver, load = sys.argv[1], int(sys.argv[2]), *sys.argv[3:]
 e2e, lb = json.load(open(f"{run}/bespoke-e2e.json")), json.load(open(f"{run}/llama-bench.json"))
 bk = json.load(open(f"{run}/bespoke-kernels.json"))["kernels"]
+try:
+    e2e_bd = json.load(open(f"{run}/bespoke-e2e-bf16dot.json"))
+except FileNotFoundError:
+    e2e_bd = None
 rows = []                                                  # (label, bespoke, llama.cpp)
-for r in sorted(e2e["runs"], key=lambda r: r["threads"]):
-    for what, p in (("prefill", True), ("decode", False)):
-        x = next((x for x in lb
-                  if (x["n_threads"], bool(x["n_prompt"]), bool(x["n_gen"])) == (r["threads"], p, not p)), {})
-        noisy = " !" if x and x["stddev_ts"] > 0.1 * x["avg_ts"] else ""   # llama-bench repeats spread > 10%
-        rows.append((f"{what} tok/s, {r['threads']} thread(s){noisy}", r[f"{what}_tok_s"], x.get("avg_ts")))
+for tag, runs in (("", e2e["runs"]), (", bf16dot", e2e_bd["runs"] if e2e_bd else [])):
+    for r in sorted(runs, key=lambda r: r["threads"]):
+        for what, p in (("prefill", True), ("decode", False)):
+            x = next((x for x in lb
+                      if (x["n_threads"], bool(x["n_prompt"]), bool(x["n_gen"])) == (r["threads"], p, not p)), {})
+            noisy = " !" if x and x["stddev_ts"] > 0.1 * x["avg_ts"] else ""   # llama-bench repeats spread > 10%
+            rows.append((f"{what} tok/s, {r['threads']} thread(s){tag}{noisy}", r[f"{what}_tok_s"], x.get("avg_ts")))
 def perf(name):  # test-backend-ops --output sql -> (type, m, k, weight GB/s) per case
     for line in open(f"{run}/{name}.log"):
         s = re.match(r"INSERT INTO \w+ \((.*?)\) VALUES \('(.*)'\);$", line.strip())
@@ -228,6 +243,10 @@ for t, m, k, gb in perf("tbo-shapes"):                     # same shape, weights
     if t == "mxfp4":  # bespoke's int8-activation variant, like llama.cpp's q8_0 activations
         b = bespoke("fp4q8", "cache", (m, k))
         rows.append((f"FP4xq8 vs MXFP4 matvec GB/s {m}x{k}, {kt}t", b and b["gb_per_s"], gb))
+    if t == "bf16":   # bespoke's BF16-activation variant, like llama.cpp's bf16 activations
+        b = bespoke("bf16dot", "cache", (m, k))
+        if b:
+            rows.append((f"BF16dot vs BF16 matvec GB/s {m}x{k}, {kt}t", b["gb_per_s"], gb))
 for t, m, k, gb in perf("tbo-builtin"):                    # other shapes: GB/s per type
     b = bespoke(names[t][0], "stream")
     label = f"{names[t][1]} GB/s {b['rows']}x{b['cols']} vs {m}x{k}*, {kt}t" if b else f"{t} {m}x{k}*"
@@ -247,6 +266,7 @@ ratio = bespoke / llama.cpp (> 1: bespoke faster); GB/s = weight bytes per matve
 test-backend-ops --test-file at bespoke's shapes, weights cache-resident in both. * rows: llama.cpp's own
 perf shape, so GB/s per type (bespoke: its best streamed shape). llama.cpp's times include converting the
 activations (to bf16 / q8_0); bespoke's fp4 kernels take f32 activations, its fp4xq8 ones int8 (the
-closer match). ! llama-bench's repeats spread by more than 10% (was the machine busy?): rerun first.""")
+closer match); bespoke's bf16 kernels f32 activations, its bf16dot ones (--bf16-act bf16) BF16, as
+llama.cpp's. ! llama-bench's repeats spread by more than 10% (was the machine busy?): rerun first.""")
 EOF
 say "saved $TXT (raw outputs: $RUN)"
