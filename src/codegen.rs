@@ -476,8 +476,14 @@ pub fn build() -> BuildResult<()> {
             })
             .collect();
         let (mr, nr, mv) = BF16DOT_TILE;
+        // The main tile, narrower ones for the last n mod nr tokens (2..nr-1),
+        // and the one-token (matvec) tile; each with its one-row form.
+        let rest_tiles: Vec<usize> = (2..nr).collect();
         let mut tiles: Vec<[usize; 2]> = Vec::new();
-        for t in [[mr, nr], [1, nr], [mv, 1], [1, 1]] {
+        let wanted = std::iter::once([mr, nr])
+            .chain(rest_tiles.iter().map(|&q| [mr, q]))
+            .chain([[mv, 1]]);
+        for t in wanted.flat_map(|t| [t, [1, t[1]]]) {
             if !tiles.contains(&t) {
                 tiles.push(t);
             }
@@ -487,6 +493,7 @@ pub fn build() -> BuildResult<()> {
         ctx.insert("nr", &nr);
         ctx.insert("mv", &mv);
         ctx.insert("tiles", &tiles);
+        ctx.insert("rest_tiles", &rest_tiles);
         ctx.insert("generic", &generic);
         ctx.insert("shapes", &shapes);
         let path = gen.join("bf16dot_avx512.c");
