@@ -295,8 +295,11 @@ pub struct RunArgs {
     /// Keep going past the end-of-sequence token.
     #[arg(long)]
     pub ignore_eos: bool,
-    /// Prompt tokens per prefill step (small-batch matmul width).
-    #[arg(long, value_name = "N", default_value_t = 64)]
+    /// Prompt tokens per prefill step (small-batch matmul width). Every step
+    /// reads every weight once, so larger steps prefill faster (256 against
+    /// 64: 10-14 % on a 2-vCPU Zen 5) at the cost of activations held for
+    /// that many tokens.
+    #[arg(long, value_name = "N", default_value_t = 256)]
     pub chunk: usize,
     #[command(flatten)]
     pub num: NumericsArgs,
@@ -469,8 +472,8 @@ pub struct ScoreArgs {
     /// Also print logits: `last` = the last position's.
     #[arg(long, value_name = "WHICH", value_parser = ["last"])]
     pub logits: Option<String>,
-    /// Prompt tokens per prefill step.
-    #[arg(long, value_name = "N", default_value_t = 64)]
+    /// Prompt tokens per prefill step (see `run --chunk`).
+    #[arg(long, value_name = "N", default_value_t = 256)]
     pub chunk: usize,
     #[command(flatten)]
     pub num: NumericsArgs,

@@ -251,6 +251,9 @@ for t, m, k, gb in perf("tbo-builtin"):                    # other shapes: GB/s 
     b = bespoke(names[t][0], "stream")
     label = f"{names[t][1]} GB/s {b['rows']}x{b['cols']} vs {m}x{k}*, {kt}t" if b else f"{t} {m}x{k}*"
     rows.append((label, b and b["gb_per_s"], gb))
+    b = bespoke("bf16dot", "stream") if t == "bf16" else None
+    if b:
+        rows.append((f"BF16dot GB/s {b['rows']}x{b['cols']} vs {m}x{k}*, {kt}t", b["gb_per_s"], gb))
 
 f = lambda v: f"{v:10.2f}" if v else "         -"
 print(f"machine:   {cpu}, {threads} threads for the e2e runs, {kt} for the kernels; load average {load} at start")

@@ -105,8 +105,8 @@ enum BenchWhat {
         /// Tokens to generate (greedy).
         #[arg(long, value_name = "N", default_value_t = 32)]
         gen: usize,
-        /// Prompt tokens per prefill step.
-        #[arg(long, value_name = "N", default_value_t = 64)]
+        /// Prompt tokens per prefill step (see `run --chunk`).
+        #[arg(long, value_name = "N", default_value_t = 256)]
         chunk: usize,
         /// Thread count for the "all threads" runs (default: physical cores).
         #[arg(long, value_name = "N")]
