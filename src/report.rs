@@ -97,6 +97,19 @@ pub fn variants_report(
         "(BESPOKE_KERNELS=scalar|avx2|avx512|neon|neon_base forces one variant)"
     )
     .unwrap();
+    let bd = kernels::BF16DOT_KERNELS;
+    if !bd.is_empty() {
+        let shapes = bd.iter().filter(|k| k.shape.is_some()).count();
+        let status = match kernels::Kernels::bf16dot_available() {
+            Ok(()) => "runnable".to_string(),
+            Err(why) => format!("not runnable: {why}"),
+        };
+        writeln!(
+            out,
+            "bf16dot (--bf16-act bf16: BF16 weights, BF16 activations; needs the avx512 features + avx512bf16): generic + {shapes} specialised, {status}"
+        )
+        .unwrap();
+    }
     writeln!(
         out,
         "threads: {threads} (--threads N or BESPOKE_THREADS; default: physical cores = {})",
