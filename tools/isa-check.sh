@@ -9,7 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --quiet
-out=$(ls -td target/release/build/bespoke-*/out/kernels | head -1)
+# The build directory this build wrote last (by its newest source: a directory's own mtime
+# only changes when files are added, and cargo keeps one per feature set).
+out=$(dirname "$(ls -t target/release/build/bespoke-*/out/kernels/*.c | head -1)")
 want=("$@")
 [ ${#want[@]} -gt 0 ] || want=(avx512 neon)
 flags=(-O3 -std=c11 -ffp-contract=off -fno-fast-math -Wall -Wextra -Ikernels -I"$out" -Itools/isa-check)
@@ -22,8 +24,10 @@ for isa in "${want[@]}"; do
       if [ ! -f /usr/include/simde/x86/avx512.h ]; then
         echo "isa-check: avx512: SIMDe missing (apt-get install libsimde-dev)"; status=1; continue
       fi
-      cc "${flags[@]}" -mavx2 -mfma -mf16c -Wno-psabi -DBS_EMULATE_AVX512 -DISA=avx512 \
+      # bf16dot too, its instruction emulated as its definition (see templates/bf16dot.c.tera).
+      cc "${flags[@]}" -mavx2 -mfma -mf16c -Wno-psabi -DBS_EMULATE_AVX512 -DISA=avx512 -DBF16DOT \
         tools/isa-check/driver.c "$out"/mat_*_avx512.c "$out"/attn_avx512.c "$out"/q8_fp4_avx512.c \
+        "$out"/bf16dot_avx512.c \
         "$out"/mat_*_scalar.c "$out"/attn_scalar.c "$out"/q8_fp4_scalar.c \
         -lm -o "$tmp/avx512"
       "$tmp/avx512" || status=1

@@ -31,6 +31,37 @@ typedef void q8_fn(const uint8_t *, const uint8_t *, const int8_t *, const float
 q8_fn Q8(scalar);
 q8_fn Q8(ISA);
 
+#ifdef BF16DOT
+/* bf16dot (AVX-512 BF16 only): against its definition (templates/bf16dot.c.tera). */
+void bs_bf16dot_avx512_generic(const uint16_t *w, const uint16_t *x, size_t xs, float *y, size_t rows, size_t cols,
+                               size_t n, size_t r0, size_t r1);
+static float bd_ftz_ref(float v) { return v != 0.0f && fabsf(v) < 0x1p-126f ? 0.0f : v; }
+static float bd_val(uint16_t h) {
+    const uint32_t b = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &b, 4);
+    return bd_ftz_ref(v);
+}
+static float bd_reduce16(const float *a) {
+    float s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; ++i) s8[i] = a[i] + a[i + 8];
+    for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+    for (int i = 0; i < 2; ++i) s2[i] = s4[i] + s4[i + 2];
+    return s2[0] + s2[1];
+}
+static float bd_row(const uint16_t *w, const uint16_t *x, size_t cols) {
+    float acc[16] = {0};
+    for (size_t k = 0; k < (cols + 31) / 32; ++k)
+        for (size_t l = 0; l < 16; ++l) {
+            const size_t c0 = 32 * k + 2 * l, c1 = c0 + 1;
+            const float w0 = c0 < cols ? bd_val(w[c0]) : 0.0f, w1 = c1 < cols ? bd_val(w[c1]) : 0.0f;
+            acc[l] = bd_ftz_ref(fmaf(w1, c1 < cols ? bd_val(x[c1]) : 0.0f, acc[l]));
+            acc[l] = bd_ftz_ref(fmaf(w0, c0 < cols ? bd_val(x[c0]) : 0.0f, acc[l]));
+        }
+    return bd_reduce16(acc);
+}
+#endif
+
 static uint64_t state = 0x9E3779B97F4A7C15ull;
 static uint64_t rnd(void) {
     state ^= state << 13;
@@ -167,6 +198,39 @@ int main(void) {
         compare(what, y0, y1, rows);
         free(w), free(sc), free(xq), free(xd), free(xs), free(y0), free(y1);
     }
+#ifdef BF16DOT
+    /* bf16dot: BF16 weights (zeros, -0, subnormals, the largest values) and
+     * BF16 activations, every tail of a 32-column chunk, row tiles of 4 with
+     * remainders, 1..13 tokens (every token-tile remainder). */
+    {
+        const size_t shapes[][2] = {{1, 1}, {3, 17}, {5, 31}, {7, 32}, {9, 33}, {37, 100}, {70, 1024}, {2, 4127}};
+        for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; ++si)
+            for (size_t n = 1; n <= 13; n += 3) {
+                const size_t rows = shapes[si][0], cols = shapes[si][1], xs = (cols + 31) / 32 * 32 + 32;
+                uint16_t *w = malloc(rows * cols * 2), *x = calloc(n * xs, 2);
+                float *y0 = malloc(n * rows * 4), *y1 = malloc(n * rows * 4);
+                for (size_t i = 0; i < rows * cols; ++i) {
+                    float v = activation();
+                    uint32_t b;
+                    memcpy(&b, &v, 4);
+                    w[i] = (uint16_t)(b >> 16);
+                }
+                for (size_t j = 0; j < n; ++j)
+                    for (size_t c = 0; c < cols; ++c) {
+                        float v = activation();
+                        uint32_t b;
+                        memcpy(&b, &v, 4);
+                        x[j * xs + c] = (uint16_t)(b >> 16);
+                    }
+                for (size_t j = 0; j < n; ++j)
+                    for (size_t r = 0; r < rows; ++r) y0[j * rows + r] = bd_row(w + r * cols, x + j * xs, cols);
+                bs_bf16dot_avx512_generic(w, x, xs, y1, rows, cols, n, 0, rows);
+                snprintf(what, sizeof what, "bf16dot %zux%zu n=%zu", rows, cols, n);
+                compare(what, y0, y1, n * rows);
+                free(w), free(x), free(y0), free(y1);
+            }
+    }
+#endif
     printf("%s vs scalar: %d kernel checks, %d mismatching values\n", STR(ISA), checks, mismatches);
     return mismatches != 0;
 }

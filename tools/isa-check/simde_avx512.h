@@ -34,4 +34,26 @@ static inline simde__m512i bs_emu_cvtps_epi32(simde__m512 a) {
 #define _mm512_cvtepu16_epi32(a) bs_emu_cvtepu16_epi32(a)
 #define _mm512_cvtepu8_epi32(a) bs_emu_cvtepu8_epi32(a)
 #define _mm512_cvtps_epi32(a) bs_emu_cvtps_epi32(a)
+
+/* Two more SIMDe 0.7 lacks (the fp4xq8 VNNI step's lane sums and the
+ * bf16dot kernels' partial last chunk), element by element. */
+#include <string.h>
+static inline simde__m512i bs_emu_shuffle_epi32(simde__m512i a, int imm) {
+    int32_t v[16], r[16];
+    memcpy(v, &a, 64);
+    for (int i = 0; i < 16; ++i) r[i] = v[(i & ~3) + ((imm >> (2 * (i & 3))) & 3)];
+    memcpy(&a, r, 64);
+    return a;
+}
+/* Reads only the selected elements (the others may lie past a buffer). */
+static inline simde__m512i bs_emu_maskz_loadu_epi16(simde__mmask32 k, const void *p) {
+    int16_t v[32] = {0};
+    for (int i = 0; i < 32; ++i)
+        if ((k >> i) & 1) memcpy(&v[i], (const char *)p + 2 * i, 2);
+    simde__m512i r;
+    memcpy(&r, v, 64);
+    return r;
+}
+#define _mm512_shuffle_epi32(a, imm) bs_emu_shuffle_epi32((a), (int)(imm))
+#define _mm512_maskz_loadu_epi16(k, p) bs_emu_maskz_loadu_epi16((k), (p))
 #endif
