@@ -91,7 +91,7 @@ struct FnDecl {
 }
 
 #[derive(Serialize)]
-struct Q8ShapeCtx {
+struct ShapeSymbol {
     rows: usize,
     cols: usize,
     symbol: String,
@@ -103,6 +103,36 @@ struct AttnCtx {
     n_heads: usize,
     n_kv_heads: usize,
     symbol: String,
+}
+
+/// Dispatch-table rows and header declarations of one kernel family: its
+/// generic kernel, then one per shape. `head` opens each row (the struct and
+/// the fields before `shape`).
+fn table_rows(
+    table: &mut String,
+    fns: &mut Vec<FnDecl>,
+    head: &str,
+    op: &'static str,
+    generic: String,
+    shapes: &[ShapeSymbol],
+) {
+    writeln!(table, "    {head}shape: None, f: ffi::{generic} }},").unwrap();
+    fns.push(FnDecl {
+        op,
+        symbol: generic,
+    });
+    for s in shapes {
+        writeln!(
+            table,
+            "    {head}shape: Some(({}, {})), f: ffi::{} }},",
+            s.rows, s.cols, s.symbol
+        )
+        .unwrap();
+        fns.push(FnDecl {
+            op,
+            symbol: s.symbol.clone(),
+        });
+    }
 }
 
 /// Every input of the build, declared to cargo.
@@ -412,9 +442,9 @@ pub fn build() -> BuildResult<()> {
     for isa in plan::ISAS {
         let compiled = isas.contains(&isa);
         let generic = plan::q8_symbol(isa, None);
-        let shapes: Vec<Q8ShapeCtx> = fp4_shapes
+        let shapes: Vec<ShapeSymbol> = fp4_shapes
             .iter()
-            .map(|s| Q8ShapeCtx {
+            .map(|s| ShapeSymbol {
                 rows: s.rows,
                 cols: s.cols,
                 symbol: plan::q8_symbol(isa, Some(s)),
@@ -430,27 +460,14 @@ pub fn build() -> BuildResult<()> {
             continue;
         }
         sources.push((isa, path));
-        writeln!(
-            table,
-            "    Q8Kernel {{ isa: Isa::{isa:?}, shape: None, f: ffi::{generic} }},"
-        )
-        .unwrap();
-        q8_fns.push(FnDecl {
-            op: "q8",
-            symbol: generic,
-        });
-        for s in &shapes {
-            writeln!(
-                table,
-                "    Q8Kernel {{ isa: Isa::{isa:?}, shape: Some(({}, {})), f: ffi::{} }},",
-                s.rows, s.cols, s.symbol
-            )
-            .unwrap();
-            q8_fns.push(FnDecl {
-                op: "q8",
-                symbol: s.symbol.clone(),
-            });
-        }
+        table_rows(
+            &mut table,
+            &mut q8_fns,
+            &format!("Q8Kernel {{ isa: Isa::{isa:?}, "),
+            "q8",
+            generic,
+            &shapes,
+        );
     }
     writeln!(
         table,
@@ -465,11 +482,11 @@ pub fn build() -> BuildResult<()> {
     {
         let compiled = isas.contains(&Isa::Avx512);
         let generic = plan::bf16dot_symbol(None);
-        let shapes: Vec<Q8ShapeCtx> = the_plan
+        let shapes: Vec<ShapeSymbol> = the_plan
             .mat_shapes
             .iter()
             .filter(|s| s.format == Format::Bf16)
-            .map(|s| Q8ShapeCtx {
+            .map(|s| ShapeSymbol {
                 rows: s.rows,
                 cols: s.cols,
                 symbol: plan::bf16dot_symbol(Some(s)),
@@ -500,27 +517,14 @@ pub fn build() -> BuildResult<()> {
         write_if_changed(&path, &render("bf16dot.c.tera", &ctx)?)?;
         if compiled {
             bf16dot_sources.push(path);
-            writeln!(
-                table,
-                "    Bf16DotKernel {{ shape: None, f: ffi::{generic} }},"
-            )
-            .unwrap();
-            bf16dot_fns.push(FnDecl {
-                op: "bf16dot",
-                symbol: generic,
-            });
-            for s in &shapes {
-                writeln!(
-                    table,
-                    "    Bf16DotKernel {{ shape: Some(({}, {})), f: ffi::{} }},",
-                    s.rows, s.cols, s.symbol
-                )
-                .unwrap();
-                bf16dot_fns.push(FnDecl {
-                    op: "bf16dot",
-                    symbol: s.symbol.clone(),
-                });
-            }
+            table_rows(
+                &mut table,
+                &mut bf16dot_fns,
+                "Bf16DotKernel { ",
+                "bf16dot",
+                generic,
+                &shapes,
+            );
         }
     }
     writeln!(table, "];").unwrap();
