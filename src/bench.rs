@@ -833,7 +833,7 @@ fn print_summary(r: &[KernelResult]) {
             })
             .unwrap_or_default();
         println!(
-            "  {:<5} {:>11} {:<7} {}t {:<6}  {:>6.1}% of read bandwidth, {:.2}x the generic kernel{vs_f32_act}",
+            "  {:<7} {:>11} {:<7} {}t {:<6}  {:>6.1}% of read bandwidth, {:.2}x the generic kernel{vs_f32_act}",
             s.format,
             format!("{}×{}", s.rows, s.cols),
             s.isa,

@@ -175,15 +175,15 @@ pub fn error_bound(w: &[u16], x: &[f32]) -> f64 {
     let mut round_err = 0.0f64;
     let mut mass_hat = 0.0f64;
     for (&h, &v) in w.iter().zip(x) {
-        let wv = formats::bf16_to_f32(h) as f64;
-        let xv = v as f64;
+        let w32 = formats::bf16_to_f32(h);
+        let (wv, xv) = (w32 as f64, v as f64);
         let xh = formats::bf16_to_f32(round(v)) as f64;
         round_err += if v.is_subnormal() {
             wv.abs() * two(-126)
         } else {
             (wv * xv).abs() * two(-9)
         };
-        if formats::bf16_to_f32(h).is_subnormal() {
+        if w32.is_subnormal() {
             round_err += xv.abs() * two(-126);
         }
         mass_hat += (wv * xh).abs();

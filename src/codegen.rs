@@ -172,9 +172,10 @@ fn load_models(root: &Path) -> BuildResult<Vec<plan::ModelConfig>> {
 
 /// The bf16dot kernels' register tiles: (rows, tokens) of the matmul tile and
 /// the rows of the one-token tile. 4 × 6 keeps 24 accumulators, 4 weight
-/// vectors and one x vector in the 32 registers; on a Zen 5 core it did
-/// 300-330 GFLOP/s at 2048 columns, where 6 × 4, 5 × 5 and 4 × 4 did 260-320
-/// and 7 × 3, 2 × 12 under 200.
+/// vectors and one x vector in the 32 registers; on a Zen 5 core at 2048
+/// columns and 128 tokens it did 300-330 GFLOP/s, where 6 × 4, 5 × 5 and
+/// 4 × 4 did 250-320, 8 × 3 (which spills) 150 and 2 × 12 170-190 (7 × 3, at
+/// 4096 columns: 175).
 const BF16DOT_TILE: (usize, usize, usize) = (4, 6, 8);
 
 fn tiles(isa: Isa, f: Format) -> Vec<Tile> {

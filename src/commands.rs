@@ -112,12 +112,12 @@ fn banner(m: &ModelDir, k: &Kernels, reason: &str, ctx: usize) {
     if cfg!(feature = "cuda") {
         eprintln!("{}", crate::gpu::status_line());
     }
-    if k.fp4_act() == crate::q8::Fp4Act::Q8 && has_fp4(m) {
+    if k.fp4_act() == crate::q8::Fp4Act::Q8 && has_format(m, "FP4") {
         eprintln!(
             "fp4×q8: FP4 products use int8 activations (--fp4-act q8): faster, not token-exact"
         );
     }
-    if k.bf16_act() == crate::bf16act::Bf16Act::Bf16 && has_bf16(m) {
+    if k.bf16_act() == crate::bf16act::Bf16Act::Bf16 && has_format(m, "BF16") {
         eprintln!(
             "bf16dot: BF16 products use BF16 activations (--bf16-act bf16): faster prefill, not token-exact"
         );
@@ -180,12 +180,6 @@ pub fn save_usage(m: &ModelDir, eng: &AnyModel) {
     }
 }
 
-fn has_bf16(m: &ModelDir) -> bool {
-    m.bytes_by_format()
-        .iter()
-        .any(|(f, _)| f.starts_with("BF16"))
-}
-
 /// The kernels with the numerics options' activation variants applied
 /// (an error when `--bf16-act bf16` cannot run here).
 pub fn numerics_kernels(k: Kernels, num: &NumericsArgs) -> Result<Kernels, String> {
@@ -194,19 +188,20 @@ pub fn numerics_kernels(k: Kernels, num: &NumericsArgs) -> Result<Kernels, Strin
         .map_err(|e| e.to_string())
 }
 
-fn has_fp4(m: &ModelDir) -> bool {
+/// Whether the model holds weights in a format whose name starts `prefix`.
+fn has_format(m: &ModelDir, prefix: &str) -> bool {
     m.bytes_by_format()
         .iter()
-        .any(|(f, _)| f.starts_with("FP4"))
+        .any(|(f, _)| f.starts_with(prefix))
 }
 
 /// The engine for a model, with the numerics options applied.
 pub fn engine<'m>(m: &'m ModelDir, k: Kernels, num: NumericsArgs) -> Result<AnyModel<'m>, String> {
     let k = numerics_kernels(k, &num)?;
-    if num.fp4_act == crate::q8::Fp4Act::Q8 && !has_fp4(m) {
+    if num.fp4_act == crate::q8::Fp4Act::Q8 && !has_format(m, "FP4") {
         eprintln!("note: --fp4-act q8 changes nothing here: this model has no FP4 weights");
     }
-    if num.bf16_act == crate::bf16act::Bf16Act::Bf16 && !has_bf16(m) {
+    if num.bf16_act == crate::bf16act::Bf16Act::Bf16 && !has_format(m, "BF16") {
         eprintln!("note: --bf16-act bf16 changes nothing here: this model has no BF16 weights");
     }
     let mut eng = AnyModel::load(m, k).map_err(|e| e.to_string())?;

@@ -166,13 +166,13 @@ logged bespoke-e2e "$BESPOKE_BIN" bench e2e --model "$MODEL" --prompt-len "$PROM
   --threads "$THREADS" --json "$RUN/bespoke-e2e.json"
 # llama.cpp multiplies BF16 weights by activations rounded to BF16; bespoke's variant that does the
 # same (--bf16-act bf16, the bf16dot kernels) runs too where the CPU has AVX512_BF16.
-if "$BESPOKE_BIN" bench e2e --model "$MODEL" --prompt-len 1 --gen 1 --threads 1 --bf16-act bf16 \
-  >/dev/null 2>"$RUN/bf16dot-probe.log"; then
+BF16DOT=$("$BESPOKE_BIN" plan 2>/dev/null | grep '^bf16dot ' || true)   # "…, runnable" or "…, not runnable: why"
+if [[ $BF16DOT == *", runnable" ]]; then
   say "bespoke bench e2e --bf16-act bf16 (the bf16dot kernels, BF16 activations as llama.cpp's)"
   logged bespoke-e2e-bf16dot "$BESPOKE_BIN" bench e2e --model "$MODEL" --prompt-len "$PROMPT" --gen "$GEN" \
     --threads "$THREADS" --bf16-act bf16 --json "$RUN/bespoke-e2e-bf16dot.json"
 else
-  say "no bf16dot rows: $(tail -n 1 "$RUN/bf16dot-probe.log")"
+  say "no bf16dot rows: ${BF16DOT:-this bespoke has no bf16dot kernels}"
 fi
 
 # ---- 4. kernels: test-backend-ops perf vs bespoke bench kernels ------------------------------
