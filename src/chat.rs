@@ -49,7 +49,7 @@ pub fn deepseek_v4(messages: &[ChatMessage], thinking: bool) -> Result<String, S
                 ))
             }
         }
-        let next_is_reply = messages.get(i + 1).is_none_or(|n| n.role == "assistant");
+        let next_is_reply = messages.get(i + 1).map_or(true, |n| n.role == "assistant");
         if m.role == "user" && next_is_reply {
             out.push_str(DSV4_ASSISTANT);
             let opens_thinking = thinking && last_user.is_some_and(|u| i >= u);

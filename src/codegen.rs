@@ -507,6 +507,7 @@ pub fn build() -> BuildResult<()> {
             }
         }
         let mut ctx = tera::Context::new();
+        ctx.insert("isa", &Isa::Avx512.desc());
         ctx.insert("mr", &mr);
         ctx.insert("nr", &nr);
         ctx.insert("mv", &mv);

@@ -173,8 +173,14 @@ pub struct IsaDesc {
     /// How far ahead, in bytes of each row, the scaled-format matrix kernels
     /// prefetch their rows in the order the tiles read them (rows no longer
     /// than this: the next tile's rows); 0: none, the hardware prefetcher is
-    /// left to it (and FP8 asks for the line 1 KiB on in its row).
+    /// left to it (and FP8 asks for the line 1 KiB on in its row). With it,
+    /// the BF16 and F32 matvec tiles prefetch their rows the same way.
     pub prefetch_ahead: usize,
+    /// Where those prefetches put the line, as `__builtin_prefetch`'s
+    /// locality: 3 = every level down to L1 (prefetcht0), 2 = L2 and out
+    /// (prefetcht1). L2 leaves L1 to the lines in use: a tile of 8 rows
+    /// 2 KiB ahead is 16 KiB in flight, half a 32 KiB L1 (Zen 4).
+    pub prefetch_locality: u8,
     /// Dispatch preference: higher wins among supported variants.
     pub score: u32,
 }
@@ -194,6 +200,7 @@ impl Isa {
                 permuted: &[],
                 chunk64: &[],
                 prefetch_ahead: 0,
+                prefetch_locality: 3,
                 score: 1,
             },
             Isa::Avx2 => IsaDesc {
@@ -208,6 +215,7 @@ impl Isa {
                 permuted: &["fp4", "fp8", "bf16"],
                 chunk64: &[],
                 prefetch_ahead: 0,
+                prefetch_locality: 3,
                 score: 20,
             },
             Isa::Avx512 => IsaDesc {
@@ -240,6 +248,7 @@ impl Isa {
                 permuted: &["fp4"],
                 chunk64: &["fp8"],
                 prefetch_ahead: 2048,
+                prefetch_locality: 2,
                 score: 30,
             },
             Isa::Neon => IsaDesc {
@@ -254,6 +263,7 @@ impl Isa {
                 permuted: &[],
                 chunk64: &[],
                 prefetch_ahead: 0,
+                prefetch_locality: 3,
                 score: 20,
             },
             // The same kernels as neon, compiled without the preset's flags.
