@@ -521,8 +521,8 @@ pub fn score(a: ScoreArgs) -> Result<(), String> {
             .unwrap_or_default()
     };
     println!(
-        "{:>5} {:>7} {:<16} {:>7} {}",
-        "pos", "id", "token", "argmax", "predicted"
+        "{:>5} {:>7} {:<16} {:>7} predicted",
+        "pos", "id", "token", "argmax"
     );
     for (i, (&t, &p)) in ids.iter().zip(&am).enumerate() {
         println!("{i:>5} {t:>7} {:<16} {p:>7} {}", show(t), show(p));

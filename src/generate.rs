@@ -42,7 +42,9 @@ impl<'m> CausalLm for crate::engine::llama::LlamaModel<'m> {
     }
 }
 
-/// Any engine, chosen by the model's family.
+/// Any engine, chosen by the model's family. (One per process: boxing the
+/// larger variant would save nothing.)
+#[allow(clippy::large_enum_variant)]
 pub enum AnyModel<'m> {
     Llama(crate::engine::llama::LlamaModel<'m>),
     Dsv4(crate::engine::dsv4::Dsv4Model<'m>),

@@ -262,8 +262,8 @@ pub fn text(m: &ModelDir, brief: bool) -> String {
             .max(4);
         let _ = writeln!(
             s,
-            "\n{:<w$}  {:<8} {:<18} {}",
-            "tensor", "dtype", "shape", "read as"
+            "\n{:<w$}  {:<8} {:<18} read as",
+            "tensor", "dtype", "shape"
         );
         for e in entries {
             let shape = format!("{:?}", e.shape);

@@ -662,17 +662,16 @@ impl<'m> Dsv4Model<'m> {
             if let Some(s) = &l.moe.shared {
                 total += s.iter().map(|m| m.bytes()).sum::<u64>();
             }
+            // top_k of the n_e experts' bytes (none when there are none)
             let n_e = l.moe.experts.len() as u64;
-            if n_e > 0 {
-                let all: u64 = l
-                    .moe
-                    .experts
-                    .iter()
-                    .flat_map(|e| e.iter())
-                    .map(|m| m.bytes())
-                    .sum();
-                total += all * (self.top_k as u64).min(n_e) / n_e;
-            }
+            let all: u64 = l
+                .moe
+                .experts
+                .iter()
+                .flat_map(|e| e.iter())
+                .map(|m| m.bytes())
+                .sum();
+            total += (all * (self.top_k as u64).min(n_e)).checked_div(n_e).unwrap_or(0);
         }
         total
     }

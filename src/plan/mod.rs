@@ -646,8 +646,17 @@ pub struct CpuPreset {
     pub cuda_arch: Option<String>,
 }
 
-/// The named presets: (name, what it is, flags, features beyond NEON, CUDA arch).
-pub const CPU_PRESETS: &[(&str, &str, &[&str], &[&str], Option<&str>)] = &[
+/// A named preset: (name, what it is, flags, features beyond NEON, CUDA arch).
+pub type CpuPresetRow = (
+    &'static str,
+    &'static str,
+    &'static [&'static str],
+    &'static [&'static str],
+    Option<&'static str>,
+);
+
+/// The named presets.
+pub const CPU_PRESETS: &[CpuPresetRow] = &[
     (
         "armv8-a",
         "any 64-bit Arm core (baseline NEON)",
