@@ -312,6 +312,38 @@ fn inspect_every_fixture() {
     );
 }
 
+/// `inspect` counts the matrices off a 64-byte line as the file lays them
+/// out: worked out here from the header alone (8 + header length + the
+/// tensor's begin offset), against what the tool read from the mapping.
+#[test]
+fn inspect_reports_matrix_alignment() {
+    for name in ["tiny-llama", "tiny-dsv4"] {
+        let file = std::fs::read(format!("fixtures/{name}/model.safetensors")).unwrap();
+        let n = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&file[8..8 + n]).unwrap();
+        let (mut count, mut want) = (0u64, serde_json::Map::new());
+        for (k, t) in header.as_object().unwrap() {
+            if k == "__metadata__" || t["shape"].as_array().unwrap().len() != 2 || t["dtype"] == "F8_E8M0" {
+                continue;
+            }
+            count += 1;
+            let off = (8 + n as u64 + t["data_offsets"][0].as_u64().unwrap()) % 64;
+            if off != 0 {
+                let e = want.entry(off.to_string()).or_insert(serde_json::json!(0));
+                *e = serde_json::json!(e.as_u64().unwrap() + 1);
+            }
+        }
+        let (ok, out, err) = run(&["inspect", "--model", &format!("fixtures/{name}"), "--json"]);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["matrices"]["count"], count, "{name}");
+        assert_eq!(v["matrices"]["off_line_by_offset"], serde_json::Value::Object(want), "{name}");
+        let (_, text, _) = run(&["inspect", "--model", &format!("fixtures/{name}")]);
+        let off: u64 = v["matrices"]["off_line_by_offset"].as_object().unwrap().values().map(|c| c.as_u64().unwrap()).sum();
+        assert!(text.contains(&format!("alignment   {off} of {count} matrices start off a 64-byte line")), "{text}");
+    }
+}
+
 #[test]
 fn inspect_errors_name_the_problem() {
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-inspect-broken");
