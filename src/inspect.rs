@@ -288,14 +288,16 @@ pub fn text(m: &ModelDir, brief: bool) -> String {
 }
 
 /// How many matrices (2-D tensors other than UE8M0 scales) the model has,
-/// and of those whose data
-/// starts off a 64-byte line, how many at each offset from the line. A
-/// mapping starts on a page, so the offset in the file is the address's.
-pub fn line_offsets(m: &ModelDir) -> (usize, BTreeMap<usize, usize>) {
+/// and of those whose data starts off a 64-byte line, how many at each
+/// offset from the line. A mapping starts on a page, so the offset in the
+/// file is the address's.
+fn line_offsets(m: &ModelDir) -> (usize, BTreeMap<usize, usize>) {
     let mut matrices = 0;
     let mut off = BTreeMap::new();
     for name in m.weights.names() {
-        let Some(t) = m.weights.get(name) else { continue };
+        let Some(t) = m.weights.get(name) else {
+            continue;
+        };
         if t.shape().len() != 2 || t.dtype() == crate::safetensors::Dtype::F8E8M0 {
             continue;
         }
@@ -318,13 +320,17 @@ fn alignment_line(m: &ModelDir) -> String {
     // the commonest offsets first, three at most
     let mut by: Vec<(usize, usize)> = off.into_iter().collect();
     by.sort_by_key(|&(o, c)| (std::cmp::Reverse(c), o));
-    let mut shown: Vec<String> = by.iter().take(3).map(|(o, c)| format!("{c} at +{o}")).collect();
+    let mut shown: Vec<String> = by
+        .iter()
+        .take(3)
+        .map(|(o, c)| format!("{c} at +{o}"))
+        .collect();
     if by.len() > 3 {
         shown.push(format!("{} more offsets", by.len() - 3));
     }
     format!(
         "alignment   {k} of {n} matrices start off a 64-byte line ({}); their row loads straddle lines, \
-         which streamed matvec pays for (FP8 with 4 KiB rows: 15-20 % slower in `bench kernels --weight-offset 16`)",
+         which streamed matvec pays for (FP8 with 4 KiB rows: 15-21 % slower in `bench kernels --weight-offset 16`)",
         shown.join(", ")
     )
 }

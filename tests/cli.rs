@@ -323,7 +323,10 @@ fn inspect_reports_matrix_alignment() {
         let header: serde_json::Value = serde_json::from_slice(&file[8..8 + n]).unwrap();
         let (mut count, mut want) = (0u64, serde_json::Map::new());
         for (k, t) in header.as_object().unwrap() {
-            if k == "__metadata__" || t["shape"].as_array().unwrap().len() != 2 || t["dtype"] == "F8_E8M0" {
+            if k == "__metadata__"
+                || t["shape"].as_array().unwrap().len() != 2
+                || t["dtype"] == "F8_E8M0"
+            {
                 continue;
             }
             count += 1;
@@ -337,10 +340,24 @@ fn inspect_reports_matrix_alignment() {
         assert!(ok, "{err}");
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();
         assert_eq!(v["matrices"]["count"], count, "{name}");
-        assert_eq!(v["matrices"]["off_line_by_offset"], serde_json::Value::Object(want), "{name}");
+        assert_eq!(
+            v["matrices"]["off_line_by_offset"],
+            serde_json::Value::Object(want),
+            "{name}"
+        );
         let (_, text, _) = run(&["inspect", "--model", &format!("fixtures/{name}")]);
-        let off: u64 = v["matrices"]["off_line_by_offset"].as_object().unwrap().values().map(|c| c.as_u64().unwrap()).sum();
-        assert!(text.contains(&format!("alignment   {off} of {count} matrices start off a 64-byte line")), "{text}");
+        let off: u64 = v["matrices"]["off_line_by_offset"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|c| c.as_u64().unwrap())
+            .sum();
+        assert!(
+            text.contains(&format!(
+                "alignment   {off} of {count} matrices start off a 64-byte line"
+            )),
+            "{text}"
+        );
     }
 }
 

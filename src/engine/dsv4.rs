@@ -671,7 +671,9 @@ impl<'m> Dsv4Model<'m> {
                 .flat_map(|e| e.iter())
                 .map(|m| m.bytes())
                 .sum();
-            total += (all * (self.top_k as u64).min(n_e)).checked_div(n_e).unwrap_or(0);
+            total += (all * (self.top_k as u64).min(n_e))
+                .checked_div(n_e)
+                .unwrap_or(0);
         }
         total
     }

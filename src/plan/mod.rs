@@ -176,11 +176,11 @@ pub struct IsaDesc {
     /// left to it (and FP8 asks for the line 1 KiB on in its row). With it,
     /// the BF16 and F32 matvec tiles prefetch their rows the same way.
     pub prefetch_ahead: usize,
-    /// Where those prefetches (and the fp4×q8 and bf16dot kernels' own)
-    /// put the line, as `__builtin_prefetch`'s
-    /// locality: 3 = every level down to L1 (prefetcht0), 2 = L2 and out
-    /// (prefetcht1). L2 leaves L1 to the lines in use: a tile of 8 rows
-    /// 2 KiB ahead is 16 KiB in flight, half a 32 KiB L1 (Zen 4).
+    /// Where those prefetches (and the fp4×q8 and bf16dot kernels' own) put
+    /// the line, as `__builtin_prefetch`'s locality: 3 = every level down to
+    /// L1 (prefetcht0), 2 = L2 and out (prefetcht1). L2 leaves L1 to the
+    /// lines in use: a tile of 8 rows 2 KiB ahead is 16 KiB in flight, half
+    /// a 32 KiB L1 (Zen 4).
     pub prefetch_locality: u8,
     /// Dispatch preference: higher wins among supported variants.
     pub score: u32,
