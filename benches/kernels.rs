@@ -21,6 +21,7 @@ fn main() {
         shapes: bespoke::bench::ShapeSet::Default,
         isas: vec![],
         weight_offset: 0,
+        tokens: 1,
     };
     if let Err(e) = bespoke::bench::kernels(&opts) {
         eprintln!("bench: {e}");

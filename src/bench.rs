@@ -31,6 +31,10 @@ pub struct Options {
     /// The weights start this many bytes past a 64-byte boundary (0..64, a
     /// multiple of 8); see [`check_weight_offset`].
     pub weight_offset: usize,
+    /// Tokens per call: 1 times the matvec kernels (decode), more the
+    /// matmul kernels Y = W·X with that many columns of X (prefill, several
+    /// tokens of an expert); see [`check_tokens`].
+    pub tokens: usize,
 }
 
 /// Which matrix shapes to time.
@@ -113,6 +117,8 @@ pub struct KernelResult {
     pub format: String,
     pub rows: usize,
     pub cols: usize,
+    /// Tokens per call (1: matvec; more: matmul with that many columns of X).
+    pub tokens: usize,
     pub origin: String,
     pub isa: String,
     pub kernel: String,
@@ -132,15 +138,23 @@ pub struct KernelResult {
     /// kernels, so that drift on a shared machine hits both alike; the run's
     /// read bandwidth for cache-resident cases.
     pub read_gb_per_s: f64,
+    /// The compute roof of this kernel's instruction at the same thread
+    /// count (see [`ComputePeak`]); absent where there is no probe for it
+    /// (the scalar variant, fp4×q8's integer dot products).
+    pub peak_gflop_per_s: Option<f64>,
+    /// GFLOP/s over that roof: how near a matmul is to what the core can
+    /// multiply and add.
+    pub peak_fraction: Option<f64>,
 }
 
 impl KernelResult {
     /// Everything that identifies a measurement except the kernel kind.
-    fn case(&self) -> (&str, usize, usize, &str, usize, &str) {
+    fn case(&self) -> (&str, usize, usize, usize, &str, usize, &str) {
         (
             &self.format,
             self.rows,
             self.cols,
+            self.tokens,
             &self.isa,
             self.threads,
             &self.residency,
@@ -148,12 +162,27 @@ impl KernelResult {
     }
 }
 
+/// A compute roof: the GFLOP/s of independent chains of one vector
+/// multiply-add instruction and nothing else (kernels/bs_peak.c), on every
+/// thread of the pool at once, each thread's best of several runs, summed.
+#[derive(Serialize, Clone)]
+pub struct ComputePeak {
+    /// The instruction, e.g. "avx512 f32 fma".
+    pub probe: String,
+    pub threads: usize,
+    pub gflop_per_s: f64,
+}
+
 #[derive(Serialize)]
 pub struct Results {
     pub machine: Machine,
     /// Bytes past a 64-byte boundary the weights started at.
     pub weight_offset: usize,
+    /// Tokens per call (1: the matvec kernels).
+    pub tokens: usize,
     pub bandwidth: Vec<Bandwidth>,
+    /// The compute roofs of the kernels timed, per thread count.
+    pub peaks: Vec<ComputePeak>,
     pub kernels: Vec<KernelResult>,
 }
 
@@ -309,6 +338,50 @@ fn placed<T: Copy + Default>(n: usize, offset: usize, gen: impl FnMut() -> T) ->
         *d = x;
     }
     (v, at)
+}
+
+/// The most tokens `bench kernels --tokens` takes (four of the engine's
+/// default 256-token prefill steps).
+pub const MAX_TOKENS: usize = 1024;
+
+/// `bench kernels --tokens N`: 1 (matvec) to [`MAX_TOKENS`].
+pub fn check_tokens(n: usize) -> Result<(), String> {
+    if n == 0 || n > MAX_TOKENS {
+        return Err(format!(
+            "--tokens {n}: expected 1 (the matvec kernels) to {MAX_TOKENS} (the matmul kernels with that many columns of X)"
+        ));
+    }
+    Ok(())
+}
+
+/// GFLOP/s of `probe` on every thread of the current pool at once: each
+/// thread's best of `samples` runs of about `min_sample`, summed.
+pub fn compute_peak(probe: crate::kernels::PeakProbe, samples: usize, min_sample: Duration) -> f64 {
+    // Steps for about min_sample on one thread.
+    let mut iters = 1usize << 12;
+    loop {
+        let t = Instant::now();
+        probe.run(iters);
+        let e = t.elapsed();
+        if e >= min_sample || iters >= 1 << 34 {
+            break;
+        }
+        iters = (iters as f64
+            * (min_sample.as_secs_f64() / e.as_secs_f64().max(1e-9)).clamp(2.0, 64.0))
+            as usize;
+    }
+    rayon::broadcast(|_| {
+        (0..samples.max(1))
+            .map(|_| {
+                let t = Instant::now();
+                let flops = probe.run(iters);
+                flops / t.elapsed().as_secs_f64().max(1e-12)
+            })
+            .fold(0.0f64, f64::max)
+    })
+    .iter()
+    .sum::<f64>()
+        / 1e9
 }
 
 /// The weight placements `bench kernels --weight-offset` takes: bytes past a
@@ -492,6 +565,8 @@ fn cases(formats: &[Format]) -> Vec<(Format, usize, usize, String)> {
 pub fn kernels(opts: &Options) -> Result<Results, String> {
     // Bad options fail before the slow part (the bandwidth probe).
     check_weight_offset(opts.weight_offset)?;
+    check_tokens(opts.tokens)?;
+    let n_tok = opts.tokens;
     for i in &opts.isas {
         if let Err(e) = Kernels::with_isa(*i) {
             return Err(format!("--isa {i}: {e}"));
@@ -569,6 +644,41 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             skipped.join(", ")
         );
     }
+    // The compute roofs of the kernels to be timed, per thread count.
+    let mut probes: Vec<crate::kernels::PeakProbe> = variants
+        .iter()
+        .filter_map(|k| crate::kernels::PeakProbe::for_kernels(k.isa(), false))
+        .collect();
+    if opts.bf16dot {
+        probes.extend(crate::kernels::PeakProbe::for_kernels(
+            crate::plan::Isa::Avx512,
+            true,
+        ));
+    }
+    let mut peaks: Vec<ComputePeak> = Vec::new();
+    for &t in &thread_counts {
+        let pool = crate::threads::pool(t);
+        for p in &probes {
+            let g = pool.install(|| compute_peak(*p, samples.min(5), min_sample));
+            eprintln!("compute roof, {}, {t} thread(s): {g:.1} GFLOP/s", p.name());
+            peaks.push(ComputePeak {
+                probe: p.name().to_string(),
+                threads: t,
+                gflop_per_s: g,
+            });
+        }
+    }
+    let peak_of = |isa: crate::plan::Isa, act: Act, t: usize| -> Option<f64> {
+        let probe = match act {
+            Act::F32 => crate::kernels::PeakProbe::for_kernels(isa, false)?,
+            Act::Bf16Dot => crate::kernels::PeakProbe::for_kernels(isa, true)?,
+            Act::Q8 => return None,
+        };
+        peaks
+            .iter()
+            .find(|p| p.probe == probe.name() && p.threads == t)
+            .map(|p| p.gflop_per_s)
+    };
     // (format, rows, cols, origin, activations)
     let mut all: Vec<(Format, usize, usize, String, Act)> =
         shape_cases(&opts.shapes, &opts.formats)?
@@ -619,7 +729,8 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
         let stream: Vec<Weights0> = (0..copies)
             .map(|i| make_weights(format, rows, cols, 1000 + i as u64, opts.weight_offset))
             .collect();
-        let x: Vec<f32> = (0..cols)
+        // n_tok tokens of activations, token-major.
+        let x: Vec<f32> = (0..n_tok * cols)
             .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
             .collect();
         for k in &variants {
@@ -668,7 +779,12 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                         continue;
                     }
                     eprint!(
-                        "\r[{done}/{total}] {label} {rows}x{cols} {} {t}t {residency}          ",
+                        "\r[{done}/{total}] {label} {rows}x{cols}{} {} {t}t {residency}          ",
+                        if n_tok > 1 {
+                            format!(" ×{n_tok} tokens")
+                        } else {
+                            String::new()
+                        },
                         k.isa()
                     );
                     let mats: Vec<Matrix> = if residency == "cache" {
@@ -684,7 +800,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                         .iter()
                         .map(|(_, kern)| {
                             let (mats, x, k, kern) = (&mats, &x, *k, *kern);
-                            let mut y = vec![0f32; rows];
+                            let mut y = vec![0f32; n_tok * rows];
                             let mut a = Q8Act::default();
                             let mut bx = crate::bf16act::Bf16X::default();
                             let mut i = 0;
@@ -692,12 +808,22 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                                 let m = &mats[i % mats.len()];
                                 i += 1;
                                 match kern {
-                                    Kern::Mat(kern) => k.matvec_with(kern, m, x, &mut y),
-                                    Kern::Q8(kern) => a
-                                        .quantize_from(x)
-                                        .and_then(|()| k.matvec_q8_with(kern, m, &a, &mut y)),
+                                    Kern::Mat(kern) if n_tok == 1 => {
+                                        k.matvec_with(kern, m, x, &mut y)
+                                    }
+                                    Kern::Mat(kern) => k.matmul_with(kern, m, x, n_tok, &mut y),
+                                    // As the engine multiplies several tokens
+                                    // by an FP4 matrix with fp4×q8: one at a
+                                    // time, each quantized first.
+                                    Kern::Q8(kern) => x
+                                        .chunks_exact(cols)
+                                        .zip(y.chunks_exact_mut(rows))
+                                        .try_for_each(|(xt, yt)| {
+                                            a.quantize_from(xt)?;
+                                            k.matvec_q8_with(kern, m, &a, yt)
+                                        }),
                                     Kern::Bf16Dot(kern) => bx
-                                        .pack_from(x, 1, x.len())
+                                        .pack_from(x, n_tok, cols)
                                         .and_then(|()| k.matmul_bf16dot_with(kern, m, &bx, &mut y)),
                                 }
                                 .expect("benchmark matvec");
@@ -726,12 +852,15 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                     } else {
                         bw
                     };
+                    let peak = peak_of(k.isa(), act, t);
                     for ((kind, _), (med, min, max)) in kinds.iter().zip(stats) {
                         let gb = bytes as f64 / med / 1e9;
+                        let gflop = 2.0 * rows as f64 * cols as f64 * n_tok as f64 / med / 1e9;
                         results.push(KernelResult {
                             format: label.clone(),
                             rows,
                             cols,
+                            tokens: n_tok,
                             origin: origin.clone(),
                             isa: k.isa().to_string(),
                             kernel: kind.to_string(),
@@ -741,9 +870,11 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                             min_us: min * 1e6,
                             max_us: max * 1e6,
                             gb_per_s: gb,
-                            gflop_per_s: 2.0 * rows as f64 * cols as f64 / med / 1e9,
+                            gflop_per_s: gflop,
                             bandwidth_fraction: gb / read_gb,
                             read_gb_per_s: read_gb,
+                            peak_gflop_per_s: peak,
+                            peak_fraction: peak.map(|p| gflop / p),
                         });
                     }
                 }
@@ -756,16 +887,19 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
     Ok(Results {
         machine,
         weight_offset: opts.weight_offset,
+        tokens: n_tok,
         bandwidth,
+        peaks,
         kernels: results,
     })
 }
 
 fn print_table(r: &[KernelResult]) {
     println!(
-        "{:<5} {:>11} {:<7} {:<11} {:>3} {:<6} {:>10} {:>21} {:>7} {:>8} {:>6} {:>7}",
+        "{:<7} {:>11} {:>4} {:<7} {:<11} {:>3} {:<6} {:>10} {:>21} {:>7} {:>8} {:>6} {:>7} {:>6}",
         "fmt",
         "rows×cols",
+        "n",
         "isa",
         "kernel",
         "thr",
@@ -775,13 +909,15 @@ fn print_table(r: &[KernelResult]) {
         "GB/s",
         "GFLOP/s",
         "% bw",
-        "read"
+        "read",
+        "% peak"
     );
     for x in r {
         println!(
-            "{:<5} {:>11} {:<7} {:<11} {:>3} {:<6} {:>10.2} {:>21} {:>7.2} {:>8.2} {:>5.0}% {:>7.1}",
+            "{:<7} {:>11} {:>4} {:<7} {:<11} {:>3} {:<6} {:>10.2} {:>21} {:>7.2} {:>8.2} {:>5.0}% {:>7.1} {:>6}",
             x.format,
             format!("{}×{}", x.rows, x.cols),
+            x.tokens,
             x.isa,
             x.kernel,
             x.threads,
@@ -791,10 +927,12 @@ fn print_table(r: &[KernelResult]) {
             x.gb_per_s,
             x.gflop_per_s,
             x.bandwidth_fraction * 100.0,
-            x.read_gb_per_s
+            x.read_gb_per_s,
+            x.peak_fraction
+                .map_or("-".to_string(), |f| format!("{:.0}%", f * 100.0))
         );
     }
-    println!("(% bw: of the read GB/s in the last column; for streamed weights that read was timed interleaved with the kernel)");
+    println!("(n: tokens per call. % bw: of the read GB/s beside it; for streamed weights that read was timed interleaved with the kernel. % peak: GFLOP/s of the compute roof of the kernel's instruction at the same threads)");
 }
 
 /// The two targets: streamed weights at >= 85% of read bandwidth;
@@ -832,14 +970,25 @@ fn print_summary(r: &[KernelResult]) {
                 )
             })
             .unwrap_or_default();
+        // Matvec is judged by the read bandwidth, matmul by the compute roof.
+        let share = match (s.tokens, s.peak_fraction) {
+            (1, _) | (_, None) => {
+                format!("{:>6.1}% of read bandwidth", s.bandwidth_fraction * 100.0)
+            }
+            (_, Some(f)) => format!("{:>6.1}% of the compute roof", f * 100.0),
+        };
         println!(
-            "  {:<7} {:>11} {:<7} {}t {:<6}  {:>6.1}% of read bandwidth, {:.2}x the generic kernel{vs_f32_act}",
+            "  {:<7} {:>11}{} {:<7} {}t {:<6}  {share}, {:.2}x the generic kernel{vs_f32_act}",
             s.format,
             format!("{}×{}", s.rows, s.cols),
+            if s.tokens > 1 {
+                format!(" ×{}", s.tokens)
+            } else {
+                String::new()
+            },
             s.isa,
             s.threads,
             s.residency,
-            s.bandwidth_fraction * 100.0,
             ratio
         );
     }

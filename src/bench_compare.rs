@@ -66,12 +66,23 @@ fn text(v: &Value, field: &str) -> String {
     }
 }
 
-/// One kernel row's identity: format, rows×cols, isa, kernel, threads, residency.
+/// One kernel row's identity: format, rows×cols (×tokens past 1), isa,
+/// kernel, threads, residency. Files from before `--tokens` have no tokens
+/// field: they timed one token.
 fn kernel_key(k: &Value) -> String {
+    let tokens = match &k["tokens"] {
+        Value::Null => "1".to_string(),
+        _ => text(k, "tokens"),
+    };
+    let shape = format!("{}×{}", text(k, "rows"), text(k, "cols"));
     format!(
-        "{:<5} {:>11} {:<7} {:<11} {:>2}t {:<6}",
+        "{:<7} {:>16} {:<7} {:<11} {:>2}t {:<6}",
         text(k, "format"),
-        format!("{}×{}", text(k, "rows"), text(k, "cols")),
+        if tokens == "1" {
+            shape
+        } else {
+            format!("{shape}×{tokens}")
+        },
         text(k, "isa"),
         text(k, "kernel"),
         text(k, "threads"),
@@ -147,7 +158,7 @@ fn compare_kernels(a: &Run, b: &Run, out: &mut String) -> Result<(), String> {
     let kb = b.v["kernels"].as_array().cloned().unwrap_or_default();
     writeln!(
         out,
-        "{:<5} {:>11} {:<7} {:<11} {:>3} {:<6} {:>11} {:>11} {:>8} {:>8} {:>7} {:>7} {:>6}",
+        "{:<7} {:>16} {:<7} {:<11} {:>3} {:<6} {:>11} {:>11} {:>8} {:>8} {:>7} {:>7} {:>6}",
         "fmt",
         "rows×cols",
         "isa",

@@ -638,7 +638,8 @@ fn compile(
             b.file(path);
         }
         if isa == Isa::Scalar && extra.is_empty() {
-            b.file(root.join("kernels/bs_read.c"));
+            b.file(root.join("kernels/bs_read.c"))
+                .file(root.join("kernels/bs_peak.c"));
         }
         objects.extend(
             b.try_compile_intermediates()

@@ -131,6 +131,56 @@ pub fn stream_read(buf: &[u64], streams: usize) -> u64 {
     unsafe { ffi::bs_stream_read(buf.as_ptr(), buf.len(), streams) }
 }
 
+/// A compute-roof probe (kernels/bs_peak.c): independent chains of the
+/// vector multiply-add a kernel family is built on, nothing else. Only
+/// [`PeakProbe::for_kernels`] makes one, after checking that this CPU has
+/// the instructions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeakProbe {
+    kind: u32,
+    name: &'static str,
+}
+
+impl PeakProbe {
+    /// The probe for the f32 kernels of `isa` (`bf16dot`: for the bf16dot
+    /// kernels, whose instruction is VDPBF16PS), if this build has that
+    /// variant, this CPU runs it, and there is a probe for it (none for the
+    /// scalar variant).
+    pub fn for_kernels(isa: Isa, bf16dot: bool) -> Option<PeakProbe> {
+        let (kind, name) = match (isa, bf16dot) {
+            (Isa::Avx2, false) => (1, "avx2 f32 fma"),
+            (Isa::Avx512, false) => (2, "avx512 f32 fma"),
+            (Isa::Avx512, true) => (3, "avx512 bf16 dot"),
+            (Isa::Neon, false) => (4, "neon f32 fma"),
+            _ => return None,
+        };
+        Kernels::with_isa(isa).ok()?;
+        if bf16dot {
+            Kernels::bf16dot_available().ok()?;
+        }
+        let p = PeakProbe { kind, name };
+        // A build whose compiler could not make the probe has it return 0.
+        (p.run(1) > 0.0).then_some(p)
+    }
+
+    /// What it times, e.g. "avx512 f32 fma".
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// `iters` steps of the probe on the calling thread; the flops done.
+    pub fn run(&self, iters: usize) -> f64 {
+        let mut sink = 0f32;
+        // SAFETY: a PeakProbe is only made by for_kernels, which checked
+        // that this CPU has the probe's instructions (the ISA variant's
+        // features, and AVX512_BF16 for the dot product); the probe reads
+        // nothing and writes one float to `sink`.
+        let flops = unsafe { ffi::bs_compute_peak(self.kind, iters, &mut sink) };
+        std::hint::black_box(sink);
+        flops
+    }
+}
+
 /// Errors from the kernel layer: always say what was expected.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum KernelError {

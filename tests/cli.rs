@@ -1032,3 +1032,79 @@ fn bench_kernels_isa_and_weight_offset() {
         assert!(!ok && err.contains(needle), "{args:?}: {err}");
     }
 }
+
+/// `bench kernels --tokens N`: the matmul kernels with N tokens per call,
+/// GFLOP/s counted for all N, and each set against the compute roof of its
+/// instruction measured in the same run (none for the scalar variant).
+#[test]
+fn bench_kernels_tokens_and_compute_roof() {
+    let path =
+        std::env::temp_dir().join(format!("bespoke-bench-tokens-{}.json", std::process::id()));
+    let p = path.to_str().unwrap();
+    let (ok, out, err) = run(&[
+        "bench",
+        "kernels",
+        "--quick",
+        "--threads",
+        "1",
+        "--formats",
+        "bf16",
+        "--tokens",
+        "3",
+        "--json",
+        p,
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.contains("% peak") && out.contains(" ×3 "), "{out}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(v["tokens"], 3);
+    let peaks = v["peaks"].as_array().unwrap();
+    let ks = v["kernels"].as_array().unwrap();
+    assert!(!ks.is_empty());
+    let mut with_roof = 0;
+    for k in ks {
+        assert_eq!(k["tokens"], 3, "{k}");
+        let (rows, cols) = (k["rows"].as_f64().unwrap(), k["cols"].as_f64().unwrap());
+        let (us, gflop) = (
+            k["median_us"].as_f64().unwrap(),
+            k["gflop_per_s"].as_f64().unwrap(),
+        );
+        let want = 2.0 * rows * cols * 3.0 / us / 1e3;
+        assert!(
+            (gflop - want).abs() <= 1e-9 * want,
+            "{k}: {gflop} GFLOP/s, want {want}"
+        );
+        let isa = k["isa"].as_str().unwrap();
+        match isa {
+            "scalar" => assert!(k["peak_fraction"].is_null(), "{k}"),
+            _ => {
+                let probe = format!("{isa} f32 fma");
+                let roof = peaks
+                    .iter()
+                    .find(|r| r["probe"] == probe.as_str() && r["threads"] == 1)
+                    .unwrap_or_else(|| panic!("no {probe} roof in {peaks:?}"));
+                let g = roof["gflop_per_s"].as_f64().unwrap();
+                assert!(g > 0.0, "{roof}");
+                assert_eq!(k["peak_gflop_per_s"].as_f64(), Some(g), "{k}");
+                let f = k["peak_fraction"].as_f64().unwrap();
+                assert!((f - gflop / g).abs() <= 1e-9 * f, "{k}");
+                with_roof += 1;
+            }
+        }
+    }
+    // Every x86-64 CI machine runs avx2; aarch64 ones neon.
+    if cfg!(any(target_arch = "x86_64", target_arch = "aarch64")) {
+        assert!(with_roof > 0, "no kernel set against a roof: {ks:?}");
+    }
+    let (ok, out, err) = run(&["bench", "compare", p, p]);
+    assert!(ok && out.contains("×3"), "{out}{err}");
+    std::fs::remove_file(&path).ok();
+    for n in ["0", "1025"] {
+        let (ok, _, err) = run(&["bench", "kernels", "--quick", "--tokens", n]);
+        assert!(
+            !ok && err.contains(&format!("--tokens {n}: expected 1")),
+            "--tokens {n}: {err}"
+        );
+    }
+}

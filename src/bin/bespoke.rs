@@ -178,6 +178,15 @@ enum BenchWhat {
         /// streamed kernels a few percent to a fifth of their speed.
         #[arg(long, value_name = "BYTES", default_value_t = 0)]
         weight_offset: usize,
+        /// Tokens per call: 1 (the default) times the matvec kernels, as
+        /// decode runs them; N > 1 the matmul kernels Y = W·X with N columns
+        /// of X, as prefill runs them (the engine's step is 256 tokens), up
+        /// to 1024. Each case's GFLOP/s is also set against a compute roof
+        /// measured in the same run: independent chains of the kernel's
+        /// multiply-add instruction (f32 FMA per ISA, VDPBF16PS for
+        /// bf16dot), the `% peak` column.
+        #[arg(long, value_name = "N", default_value_t = 1)]
+        tokens: usize,
     },
     /// The CUDA kernels on this machine's GPU (`cuda` builds): per shape and
     /// format, the CUDA-core matvec (generic and specialised) and matmul, and
@@ -348,6 +357,7 @@ fn run(cli: Cli) -> Result<(), String> {
                     formats,
                     isa,
                     weight_offset,
+                    tokens,
                 },
         } => {
             let n = threads::init(threads::resolve(t)?);
@@ -390,6 +400,7 @@ fn run(cli: Cli) -> Result<(), String> {
                 shapes,
                 isas,
                 weight_offset,
+                tokens,
             };
             let results = bench::kernels(&opts)?;
             if let Some(path) = json {
