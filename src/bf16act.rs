@@ -109,10 +109,22 @@ impl Bf16X {
         self.h.clear();
         self.h.resize(n * xs, 0);
         if cols > 0 {
-            for (xt, ht) in x.chunks_exact(cols).zip(self.h.chunks_exact_mut(xs)) {
+            let pack = |(xt, ht): (&[f32], &mut [u16])| {
                 for (h, &v) in ht.iter_mut().zip(xt) {
                     *h = round(v);
                 }
+            };
+            // A prefill step's tokens across the threads (each value is
+            // rounded alone, so the split changes nothing).
+            if x.len() >= 1 << 16 && rayon::current_num_threads() > 1 {
+                use rayon::prelude::*;
+                x.par_chunks_exact(cols)
+                    .zip(self.h.par_chunks_exact_mut(xs))
+                    .for_each(pack);
+            } else {
+                x.chunks_exact(cols)
+                    .zip(self.h.chunks_exact_mut(xs))
+                    .for_each(pack);
             }
         }
         self.n = n;
@@ -217,6 +229,29 @@ pub fn edge_rows() -> (Vec<u16>, Vec<f32>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A prefill step's worth of tokens is packed across the threads; the
+    /// result is the one-thread packing.
+    #[test]
+    fn packing_across_threads_matches_one_thread() {
+        let (n, cols) = (40, 2050);
+        let x: Vec<f32> = (0..n * cols)
+            .map(|i| ((i * 7919) % 4001) as f32 / 97.0 - 20.0)
+            .collect();
+        assert!(x.len() >= 1 << 16, "large enough to be split");
+        let mut one = Bf16X::default();
+        crate::threads::pool(1)
+            .install(|| one.pack_from(&x, n, cols))
+            .unwrap();
+        let mut two = Bf16X::default();
+        crate::threads::pool(2)
+            .install(|| two.pack_from(&x, n, cols))
+            .unwrap();
+        assert_eq!(one.h, two.h);
+        let xs = stride(cols);
+        assert_eq!(one.h[xs + 1], round(x[cols + 1]));
+        assert!(one.h[xs - 2..xs].iter().all(|&h| h == 0), "padding zero");
+    }
 
     #[test]
     fn rounding_and_packing() {
