@@ -645,22 +645,28 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
         );
     }
     // The compute roofs of the kernels to be timed, per thread count.
-    let mut probes: Vec<crate::kernels::PeakProbe> = variants
+    // (isa, bf16dot, probe): the f32 kernels of each variant, and bf16dot.
+    let mut probes: Vec<(crate::plan::Isa, bool, crate::kernels::PeakProbe)> = variants
         .iter()
-        .filter_map(|k| crate::kernels::PeakProbe::for_kernels(k.isa(), false))
+        .filter_map(|k| {
+            crate::kernels::PeakProbe::for_kernels(k.isa(), false).map(|p| (k.isa(), false, p))
+        })
         .collect();
     if opts.bf16dot {
-        probes.extend(crate::kernels::PeakProbe::for_kernels(
-            crate::plan::Isa::Avx512,
-            true,
-        ));
+        let avx512 = crate::plan::Isa::Avx512;
+        probes.extend(
+            crate::kernels::PeakProbe::for_kernels(avx512, true).map(|p| (avx512, true, p)),
+        );
     }
+    // (isa, bf16dot, threads, GFLOP/s), and the same for the JSON.
+    let mut roofs: Vec<(crate::plan::Isa, bool, usize, f64)> = Vec::new();
     let mut peaks: Vec<ComputePeak> = Vec::new();
     for &t in &thread_counts {
         let pool = crate::threads::pool(t);
-        for p in &probes {
-            let g = pool.install(|| compute_peak(*p, samples.min(5), min_sample));
+        for &(isa, dot, p) in &probes {
+            let g = pool.install(|| compute_peak(p, samples.min(5), min_sample));
             eprintln!("compute roof, {}, {t} thread(s): {g:.1} GFLOP/s", p.name());
+            roofs.push((isa, dot, t, g));
             peaks.push(ComputePeak {
                 probe: p.name().to_string(),
                 threads: t,
@@ -669,15 +675,15 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
         }
     }
     let peak_of = |isa: crate::plan::Isa, act: Act, t: usize| -> Option<f64> {
-        let probe = match act {
-            Act::F32 => crate::kernels::PeakProbe::for_kernels(isa, false)?,
-            Act::Bf16Dot => crate::kernels::PeakProbe::for_kernels(isa, true)?,
+        let dot = match act {
+            Act::F32 => false,
+            Act::Bf16Dot => true,
             Act::Q8 => return None,
         };
-        peaks
+        roofs
             .iter()
-            .find(|p| p.probe == probe.name() && p.threads == t)
-            .map(|p| p.gflop_per_s)
+            .find(|r| (r.0, r.1, r.2) == (isa, dot, t))
+            .map(|r| r.3)
     };
     // (format, rows, cols, origin, activations)
     let mut all: Vec<(Format, usize, usize, String, Act)> =
@@ -812,16 +818,11 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                                         k.matvec_with(kern, m, x, &mut y)
                                     }
                                     Kern::Mat(kern) => k.matmul_with(kern, m, x, n_tok, &mut y),
-                                    // As the engine multiplies several tokens
-                                    // by an FP4 matrix with fp4×q8: one at a
+                                    // As the engine runs it: a token at a
                                     // time, each quantized first.
-                                    Kern::Q8(kern) => x
-                                        .chunks_exact(cols)
-                                        .zip(y.chunks_exact_mut(rows))
-                                        .try_for_each(|(xt, yt)| {
-                                            a.quantize_from(xt)?;
-                                            k.matvec_q8_with(kern, m, &a, yt)
-                                        }),
+                                    Kern::Q8(kern) => {
+                                        k.matmul_q8_with(kern, m, x, n_tok, &mut y, &mut a)
+                                    }
                                     Kern::Bf16Dot(kern) => bx
                                         .pack_from(x, n_tok, cols)
                                         .and_then(|()| k.matmul_bf16dot_with(kern, m, &bx, &mut y)),

@@ -116,7 +116,7 @@ impl Bf16X {
             };
             // A prefill step's tokens across the threads (each value is
             // rounded alone, so the split changes nothing).
-            if x.len() >= 1 << 16 && rayon::current_num_threads() > 1 {
+            if x.len() >= crate::threads::PAR_ELEMENTWISE_MIN && rayon::current_num_threads() > 1 {
                 use rayon::prelude::*;
                 x.par_chunks_exact(cols)
                     .zip(self.h.par_chunks_exact_mut(xs))
@@ -238,7 +238,10 @@ mod tests {
         let x: Vec<f32> = (0..n * cols)
             .map(|i| ((i * 7919) % 4001) as f32 / 97.0 - 20.0)
             .collect();
-        assert!(x.len() >= 1 << 16, "large enough to be split");
+        assert!(
+            x.len() >= crate::threads::PAR_ELEMENTWISE_MIN,
+            "large enough to be split"
+        );
         let mut one = Bf16X::default();
         crate::threads::pool(1)
             .install(|| one.pack_from(&x, n, cols))

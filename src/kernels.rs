@@ -337,8 +337,8 @@ fn split(n: usize, parts: usize, align: usize) -> Vec<(usize, usize)> {
 
 /// Rows per chunk when the threads share a one-token product (see
 /// `Kernels::par_rows`): about 8 chunks a thread, a multiple of 16 (whole
-/// tiles of every variant), from 16 to 128 rows (128 measured best of 32,
-/// 64 and 128 on the Zen 4 VM).
+/// tiles of every variant), from 16 to 128 rows (of chunks of 32, 64 and
+/// 128 rows, 128 was best most often on the Zen 4 VM).
 fn decode_chunk_rows(rows: usize, threads: usize) -> usize {
     (rows / (threads * 8).max(1) / 16 * 16).clamp(16, 128)
 }
@@ -755,6 +755,26 @@ impl Kernels {
 
     /// Y = W X through the fp4×q8 kernels, one token at a time.
     fn matmul_q8(&self, m: &Matrix, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), KernelError> {
+        let k = self.q8_kernel(m.rows, m.cols);
+        // One buffer per thread, reused across calls (decode calls this for
+        // every FP4 matrix of every token).
+        thread_local! {
+            static ACT: std::cell::RefCell<Q8Act> = std::cell::RefCell::new(Q8Act::default());
+        }
+        ACT.with(|a| self.matmul_q8_with(k, m, x, n, y, &mut a.borrow_mut()))
+    }
+
+    /// Y = W X with a given fp4×q8 kernel, one token at a time, each token
+    /// quantized into `act` first (benchmarks: specialised vs generic).
+    pub fn matmul_q8_with(
+        &self,
+        k: &Q8Kernel,
+        m: &Matrix,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+        act: &mut Q8Act,
+    ) -> Result<(), KernelError> {
         check_len(
             &format!("matmul input X [{n}, {}]", m.cols),
             n * m.cols,
@@ -765,20 +785,11 @@ impl Kernels {
             n * m.rows,
             y.len(),
         )?;
-        let k = self.q8_kernel(m.rows, m.cols);
-        // One buffer per thread, reused across calls (decode calls this for
-        // every FP4 matrix of every token).
-        thread_local! {
-            static ACT: std::cell::RefCell<Q8Act> = std::cell::RefCell::new(Q8Act::default());
+        for (xt, yt) in x.chunks_exact(m.cols).zip(y.chunks_exact_mut(m.rows)) {
+            act.quantize_from(xt)?;
+            self.matvec_q8_with(k, m, act, yt)?;
         }
-        ACT.with(|a| {
-            let mut a = a.borrow_mut();
-            for (xt, yt) in x.chunks_exact(m.cols).zip(y.chunks_exact_mut(m.rows)) {
-                a.quantize_from(xt)?;
-                self.matvec_q8_with(k, m, &a, yt)?;
-            }
-            Ok(())
-        })
+        Ok(())
     }
 
     /// The kernel for a matrix: specialised on its shape when the build made
@@ -1033,7 +1044,7 @@ impl Kernels {
     /// than each its own far-apart half, and a thread the host holds up
     /// leaves its chunks to the others (on the Zen 4 VM at 2 threads, BF16
     /// at the bench model's shapes, samples interleaved in one process:
-    /// 0-13 % more GB/s, typically 4-8 %). Several tokens (prefill, bound by
+    /// more GB/s in 7 of 10 cases, -2 to +19 %, median +6 %). Several tokens (prefill, bound by
     /// arithmetic): about 4 ranges a thread, since each call of a kernel
     /// that permutes x first (FP8, FP4) repeats that work.
     fn par_rows(

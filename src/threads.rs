@@ -1,6 +1,12 @@
 //! The worker thread count: `--threads`, else BESPOKE_THREADS, else the
 //! number of physical cores.
 
+/// Element-wise work (prefill's activations, not decode's) of at least
+/// this many elements is split across the threads, in chunks of
+/// [`PAR_ELEMENTWISE_CHUNK`]; below it a thread does it alone.
+pub const PAR_ELEMENTWISE_MIN: usize = 1 << 16;
+pub const PAR_ELEMENTWISE_CHUNK: usize = 1 << 14;
+
 /// Resolve the thread count from a CLI value and the environment.
 pub fn resolve(cli: Option<usize>) -> Result<usize, String> {
     if let Some(n) = cli {

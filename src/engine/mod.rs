@@ -358,12 +358,6 @@ pub fn silu(x: f32) -> f32 {
 
 /// down(silu(gate·x) ⊙ up·x) for n tokens. With `limit` L (DeepSeek V4's
 /// swiglu_limit) the gate is capped at L and up clamped to [−L, L] first.
-/// Element-wise work of at least this many elements (prefill's, not
-/// decode's) is split across the threads in chunks of
-/// `PAR_ELEMENTWISE_CHUNK`.
-pub(crate) const PAR_ELEMENTWISE_MIN: usize = 1 << 16;
-pub(crate) const PAR_ELEMENTWISE_CHUNK: usize = 1 << 14;
-
 pub fn swiglu(
     k: &Kernels,
     [gate, up, down]: [&Mat; 3],
@@ -403,12 +397,13 @@ fn swiglu_act(g: &mut [f32], u: &[f32], limit: Option<f32>) {
         }
     };
     // Element by element, so how it is split cannot change a value. Prefill
-    // splits it across the threads: done by one, at 256 tokens it took about
-    // 6 % of a 2-thread prefill on the Zen 4 VM (perf), an exp per element.
-    if g.len() >= PAR_ELEMENTWISE_MIN && rayon::current_num_threads() > 1 {
+    // splits it across the threads: done by one, an exp per element, it had
+    // about 2.5 % of the samples of a 2-thread 256-token prefill on the Zen
+    // 4 VM (perf), all on one thread while the other waited.
+    if g.len() >= crate::threads::PAR_ELEMENTWISE_MIN && rayon::current_num_threads() > 1 {
         use rayon::prelude::*;
-        g.par_chunks_mut(PAR_ELEMENTWISE_CHUNK)
-            .zip(u.par_chunks(PAR_ELEMENTWISE_CHUNK))
+        g.par_chunks_mut(crate::threads::PAR_ELEMENTWISE_CHUNK)
+            .zip(u.par_chunks(crate::threads::PAR_ELEMENTWISE_CHUNK))
             .for_each(|(g, u)| act(g, u));
     } else {
         act(g, u);
@@ -616,7 +611,8 @@ mod act_quant_tests {
 
 #[cfg(test)]
 mod swiglu_tests {
-    use super::{silu, swiglu_act, PAR_ELEMENTWISE_MIN};
+    use super::{silu, swiglu_act};
+    use crate::threads::PAR_ELEMENTWISE_MIN;
 
     /// Above the size where prefill splits it across threads, the result
     /// is what one thread computes element by element, clamped or not.
