@@ -17,6 +17,9 @@ pub struct E2eOptions {
     pub threads: usize,
     pub quick: bool,
     pub chunk: usize,
+    /// Also time the model on the generic kernels only, each repeat beside
+    /// the specialised one (`--vs-generic`).
+    pub vs_generic: bool,
     /// `--numerics` / `--fp4-act`, as for `run`.
     pub num: crate::commands::NumericsArgs,
 }
@@ -31,6 +34,18 @@ pub struct E2eRun {
     /// Weight bytes read per decoded token × decode tok/s ÷ read bandwidth.
     /// None when the engine cannot say how many bytes a token reads.
     pub decode_bandwidth_fraction: Option<f64>,
+    /// With `--vs-generic`: the same runs on the generic kernels only, their
+    /// repeats alternated with the specialised ones.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub generic: Option<E2eTimes>,
+}
+
+/// Medians of one kernel choice's repeats.
+#[derive(Serialize, Clone, Copy)]
+pub struct E2eTimes {
+    pub prefill_tok_s: f64,
+    pub ttft_ms: f64,
+    pub decode_tok_s: f64,
 }
 
 #[derive(Serialize)]
@@ -64,7 +79,14 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
         Kernels::from_env().map_err(|e| e.to_string())?.kernels,
         &opts.num,
     )?;
-    let eng = crate::commands::engine(&m, k, opts.num)?;
+    if opts.vs_generic && !k.specialised() {
+        return Err(
+            "--vs-generic sets the specialised kernels against the generic ones: \
+                    unset BESPOKE_SPECIALISED=off"
+                .into(),
+        );
+    }
+    let mut eng = crate::commands::engine(&m, k, opts.num)?;
     let vocab = eng.vocab();
     let ctx = opts.prompt_len + opts.gen;
     if ctx > m.config.max_position_embeddings {
@@ -99,39 +121,45 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
     if opts.threads > 1 {
         counts.push(opts.threads);
     }
+    let (hit, total) = crate::commands::specialisation(&m, &k);
+    if opts.vs_generic && hit == 0 {
+        eprintln!(
+            "note: this build specialised none of the model's {total} matrices, so --vs-generic \
+             times the generic kernels against themselves; build with BESPOKE_MODEL={} to specialise",
+            m.dir.display()
+        );
+    }
     let read_buf = read_buffer(stream_bytes);
     let mut runs = Vec::new();
     for &t in &counts {
         let pool = crate::threads::pool(t);
         let run = pool.install(|| -> Result<E2eRun, String> {
             let bw = read_bandwidth(&read_buf, if opts.quick { 3 } else { 7 }).gb_per_s;
-            let (mut pre, mut ttft, mut dec) = (Vec::new(), Vec::new(), Vec::new());
-            for _ in 0..reps {
-                let mut cache = eng.new_cache(ctx).map_err(|e| e.to_string())?;
-                let t0 = Instant::now();
-                let logits = eng.prefill(&mut cache, &prompt, opts.chunk, false).map_err(|e| e.to_string())?;
-                let mut next = argmax(&logits[logits.len() - vocab..]);
-                let first = t0.elapsed().as_secs_f64();
-                let t1 = Instant::now();
-                for _ in 1..opts.gen {
-                    let l = eng.prefill(&mut cache, &[next], 1, false).map_err(|e| e.to_string())?;
-                    next = argmax(&l);
-                }
-                let d = t1.elapsed().as_secs_f64();
-                pre.push(opts.prompt_len as f64 / first);
-                ttft.push(first * 1e3);
-                if opts.gen > 1 {
-                    dec.push((opts.gen - 1) as f64 / d);
+            // [specialised, generic] samples; with --vs-generic the two
+            // alternate, in the order AB BA AB …, so that drift of a shared
+            // machine falls on both alike.
+            let mut samples = [Samples::default(), Samples::default()];
+            for rep in 0..reps {
+                let order: &[bool] = match (opts.vs_generic, rep % 2) {
+                    (false, _) => &[true],
+                    (true, 0) => &[true, false],
+                    (true, _) => &[false, true],
+                };
+                for &spec in order {
+                    eng.set_specialised(spec);
+                    samples[usize::from(!spec)].time(&eng, &prompt, opts, ctx, vocab)?;
                 }
             }
-            let decode = if dec.is_empty() { 0.0 } else { median(dec) };
+            eng.set_specialised(true);
+            let s = samples[0].medians();
             let r = E2eRun {
                 threads: t,
                 read_gb_per_s: bw,
-                prefill_tok_s: median(pre),
-                ttft_ms: median(ttft),
-                decode_tok_s: decode,
-                decode_bandwidth_fraction: per_token.map(|b| b as f64 * decode / (bw * 1e9)),
+                prefill_tok_s: s.prefill_tok_s,
+                ttft_ms: s.ttft_ms,
+                decode_tok_s: s.decode_tok_s,
+                decode_bandwidth_fraction: per_token.map(|b| b as f64 * s.decode_tok_s / (bw * 1e9)),
+                generic: opts.vs_generic.then(|| samples[1].medians()),
             };
             eprintln!(
                 "threads {:>2}: read {:6.1} GB/s | prefill {:9.1} tok/s, first token {:8.1} ms | decode {:8.1} tok/s = {} of read bandwidth",
@@ -142,6 +170,18 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
                 r.decode_tok_s,
                 r.decode_bandwidth_fraction.map_or("n/a".to_string(), |f| format!("{:5.1} %", 100.0 * f))
             );
+            if let Some(g) = &r.generic {
+                let ratio = |a: f64, b: f64| if b > 0.0 { format!("{:.3}×", a / b) } else { "n/a".into() };
+                eprintln!(
+                    "   generic kernels only:       prefill {:9.1} tok/s, first token {:8.1} ms | decode {:8.1} tok/s\n   \
+                     specialised ÷ generic:      prefill {}, decode {}",
+                    g.prefill_tok_s,
+                    g.ttft_ms,
+                    g.decode_tok_s,
+                    ratio(r.prefill_tok_s, g.prefill_tok_s),
+                    ratio(r.decode_tok_s, g.decode_tok_s),
+                );
+            }
             Ok(r)
         })?;
         runs.push(run);
@@ -152,7 +192,7 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
         kernels: k.isa().name().into(),
         fp4_act: k.fp4_act().name().into(),
         bf16_act: k.bf16_act().name().into(),
-        specialised_matrices: crate::commands::specialisation(&m, &k),
+        specialised_matrices: (hit, total),
         cpu: crate::cpu::cpu_name(),
         llc_bytes: llc,
         weight_bytes: m.weights.data_bytes(),
@@ -162,4 +202,58 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
         chunk: opts.chunk,
         runs,
     })
+}
+
+/// One kernel choice's timings over the repeats.
+#[derive(Default)]
+struct Samples {
+    prefill: Vec<f64>,
+    ttft: Vec<f64>,
+    decode: Vec<f64>,
+}
+
+impl Samples {
+    /// Prefill the prompt into a fresh cache, then decode greedily.
+    fn time(
+        &mut self,
+        eng: &crate::generate::AnyModel<'_>,
+        prompt: &[u32],
+        opts: &E2eOptions,
+        ctx: usize,
+        vocab: usize,
+    ) -> Result<(), String> {
+        let mut cache = eng.new_cache(ctx).map_err(|e| e.to_string())?;
+        let t0 = Instant::now();
+        let logits = eng
+            .prefill(&mut cache, prompt, opts.chunk, false)
+            .map_err(|e| e.to_string())?;
+        let mut next = argmax(&logits[logits.len() - vocab..]);
+        let first = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        for _ in 1..opts.gen {
+            let l = eng
+                .prefill(&mut cache, &[next], 1, false)
+                .map_err(|e| e.to_string())?;
+            next = argmax(&l);
+        }
+        let d = t1.elapsed().as_secs_f64();
+        self.prefill.push(opts.prompt_len as f64 / first);
+        self.ttft.push(first * 1e3);
+        if opts.gen > 1 {
+            self.decode.push((opts.gen - 1) as f64 / d);
+        }
+        Ok(())
+    }
+
+    fn medians(&self) -> E2eTimes {
+        E2eTimes {
+            prefill_tok_s: median(self.prefill.clone()),
+            ttft_ms: median(self.ttft.clone()),
+            decode_tok_s: if self.decode.is_empty() {
+                0.0
+            } else {
+                median(self.decode.clone())
+            },
+        }
+    }
 }

@@ -91,7 +91,7 @@ pub fn specialisation(m: &ModelDir, k: &Kernels) -> (usize, usize) {
             (f, _) => f,
         };
         total += 1;
-        if k.mat_kernel_specialised(fmt, rows, cols).is_some() {
+        if k.specialised() && k.mat_kernel_specialised(fmt, rows, cols).is_some() {
             hit += 1;
         }
     }
@@ -101,7 +101,9 @@ pub fn specialisation(m: &ModelDir, k: &Kernels) -> (usize, usize) {
 fn banner(m: &ModelDir, k: &Kernels, reason: &str, ctx: usize) {
     eprintln!("{}", summary(m, ctx));
     let (hit, total) = specialisation(m, k);
-    let note = if hit == total {
+    let note = if !k.specialised() {
+        "every matrix on the generic kernels".to_string()
+    } else if hit == total {
         "all specialised for this model".to_string()
     } else if hit == 0 {
         "none specialised (this build was made for other models; generic kernels run. Rebuild with BESPOKE_MODEL=<dir> to specialise)".to_string()

@@ -85,6 +85,15 @@ impl<'m> AnyModel<'m> {
         }
     }
 
+    /// Use the build's shape-specialised kernels (`true`) or only the
+    /// generic ones (see [`crate::kernels::Kernels::with_specialised`]).
+    pub fn set_specialised(&mut self, on: bool) {
+        match self {
+            AnyModel::Llama(m) => m.kernels = m.kernels.with_specialised(on),
+            AnyModel::Dsv4(m) => m.kernels = m.kernels.with_specialised(on),
+        }
+    }
+
     /// Routed-expert selections so far (all zero for dense models).
     pub fn usage(&self) -> &crate::placement::UsageCounter {
         match self {

@@ -205,6 +205,8 @@ pub enum KernelError {
     },
     #[error("--bf16-act bf16 needs the bf16dot kernels: {0}; run without it (f32 activations, the default)")]
     NoBf16Dot(String),
+    #[error("BESPOKE_SPECIALISED={0:?}: expected `on` (the default: a matrix gets the kernel this build specialised for its shape, if any) or `off` (generic kernels only)")]
+    BadSpecialised(String),
 }
 
 /// Weight data of a matrix, in one of the kernel formats.
@@ -378,6 +380,10 @@ pub struct Kernels {
     /// The VRAM tier these kernels send resident matrices to (0: none; see
     /// [`crate::gpu::tier`]).
     tier: u32,
+    /// Whether a matrix whose shape the build specialised for gets that
+    /// kernel (the default) or the generic one like any other
+    /// (`BESPOKE_SPECIALISED=off`, `bench e2e --vs-generic`).
+    specialised: bool,
 }
 
 /// Why a variant was chosen (for `bespoke plan` and the run banner).
@@ -393,6 +399,15 @@ fn compiled_list() -> String {
         .map(|i| i.name())
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// A BESPOKE_SPECIALISED value: unset, empty or `on` → true, `off` → false.
+pub fn specialised_from(v: Option<&str>) -> Result<bool, KernelError> {
+    match v.map(str::trim).unwrap_or("") {
+        "" | "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(KernelError::BadSpecialised(other.into())),
+    }
 }
 
 impl Kernels {
@@ -422,6 +437,7 @@ impl Kernels {
             fp4_act: Fp4Act::F32,
             bf16_act: Bf16Act::F32,
             tier: 0,
+            specialised: true,
         })
     }
 
@@ -438,6 +454,7 @@ impl Kernels {
             fp4_act: Fp4Act::F32,
             bf16_act: Bf16Act::F32,
             tier: 0,
+            specialised: true,
         }
     }
 
@@ -467,12 +484,36 @@ impl Kernels {
         }
     }
 
-    /// The process-wide choice from BESPOKE_KERNELS, made once.
+    /// The process-wide choice from BESPOKE_KERNELS and BESPOKE_SPECIALISED,
+    /// made once.
     pub fn from_env() -> Result<Choice, KernelError> {
         static CHOICE: OnceLock<Result<Choice, KernelError>> = OnceLock::new();
         CHOICE
-            .get_or_init(|| Kernels::choose(std::env::var("BESPOKE_KERNELS").ok().as_deref()))
+            .get_or_init(|| {
+                let mut c = Kernels::choose(std::env::var("BESPOKE_KERNELS").ok().as_deref())?;
+                if !specialised_from(std::env::var("BESPOKE_SPECIALISED").ok().as_deref())? {
+                    c.kernels = c.kernels.with_specialised(false);
+                    c.reason
+                        .push_str("; generic kernels only (BESPOKE_SPECIALISED=off)");
+                }
+                Ok(c)
+            })
             .clone()
+    }
+
+    /// These kernels with the build's shape-specialised kernels used
+    /// (`true`, the default) or passed over for the generic ones (`false`:
+    /// the same numbers, bit for bit, by the numerics contract; for
+    /// measuring what specialisation buys).
+    pub fn with_specialised(self, on: bool) -> Kernels {
+        Kernels {
+            specialised: on,
+            ..self
+        }
+    }
+
+    pub fn specialised(&self) -> bool {
+        self.specialised
     }
 
     pub fn isa(&self) -> Isa {
@@ -533,9 +574,13 @@ impl Kernels {
             .clone()
     }
 
-    /// The bf16dot kernel for a shape: specialised when the build made one.
-    pub fn bf16dot_kernel(rows: usize, cols: usize) -> Option<&'static Bf16DotKernel> {
-        Self::bf16dot_kernel_specialised(rows, cols).or_else(Self::bf16dot_kernel_generic)
+    /// The bf16dot kernel for a shape: specialised when the build made one
+    /// (and these kernels use specialised ones).
+    pub fn bf16dot_kernel(&self, rows: usize, cols: usize) -> Option<&'static Bf16DotKernel> {
+        self.specialised
+            .then(|| Self::bf16dot_kernel_specialised(rows, cols))
+            .flatten()
+            .or_else(Self::bf16dot_kernel_generic)
     }
 
     pub fn bf16dot_kernel_specialised(rows: usize, cols: usize) -> Option<&'static Bf16DotKernel> {
@@ -651,7 +696,8 @@ impl Kernels {
         n: usize,
         y: &mut [f32],
     ) -> Result<(), KernelError> {
-        let k = Self::bf16dot_kernel(m.rows, m.cols)
+        let k = self
+            .bf16dot_kernel(m.rows, m.cols)
             .ok_or_else(|| KernelError::NoBf16Dot("this build has none".into()))?;
         // One buffer per thread, reused across calls.
         thread_local! {
@@ -674,9 +720,12 @@ impl Kernels {
         self.tier
     }
 
-    /// The fp4×q8 kernel for a shape: specialised when the build made one.
+    /// The fp4×q8 kernel for a shape: specialised when the build made one
+    /// (and these kernels use specialised ones).
     pub fn q8_kernel(&self, rows: usize, cols: usize) -> &'static Q8Kernel {
-        self.q8_kernel_specialised(rows, cols)
+        self.specialised
+            .then(|| self.q8_kernel_specialised(rows, cols))
+            .flatten()
             .unwrap_or_else(|| self.q8_kernel_generic())
     }
 
@@ -793,9 +842,11 @@ impl Kernels {
     }
 
     /// The kernel for a matrix: specialised on its shape when the build made
-    /// one, else generic.
+    /// one (and these kernels use specialised ones), else generic.
     pub fn mat_kernel(&self, format: Format, rows: usize, cols: usize) -> &'static MatKernel {
-        self.mat_kernel_specialised(format, rows, cols)
+        self.specialised
+            .then(|| self.mat_kernel_specialised(format, rows, cols))
+            .flatten()
             .unwrap_or_else(|| self.mat_kernel_generic(format))
     }
 
@@ -817,10 +868,12 @@ impl Kernels {
             .expect("build.rs emits a generic kernel for every compiled ISA and format")
     }
 
+    /// The attention kernel for a head shape: specialised when the build
+    /// made one (and these kernels use specialised ones), else generic.
     pub fn attn_kernel(&self, shape: AttnShape) -> &'static AttnKernel {
         ATTN_KERNELS
             .iter()
-            .find(|k| k.isa == self.isa && k.shape == Some(shape))
+            .find(|k| self.specialised && k.isa == self.isa && k.shape == Some(shape))
             .or_else(|| {
                 ATTN_KERNELS
                     .iter()
@@ -841,9 +894,10 @@ impl Kernels {
         if x.len() != n * m.cols || y.len() != n * m.rows {
             return None; // the CPU path reports the length error
         }
-        let specialised = self
-            .mat_kernel_specialised(m.format(), m.rows, m.cols)
-            .is_some();
+        let specialised = self.specialised
+            && self
+                .mat_kernel_specialised(m.format(), m.rows, m.cols)
+                .is_some();
         match crate::gpu::tier::matmul(&d, specialised, x, n) {
             Ok(v) => {
                 y.copy_from_slice(&v);

@@ -310,7 +310,8 @@ pub fn model_report(m: &PlannedModel, k: &Kernels) -> String {
         .matrices
         .iter()
         .map(|u| {
-            let spec = k.mat_kernel_specialised(u.format, u.rows, u.cols).is_some();
+            let spec =
+                k.specialised() && k.mat_kernel_specialised(u.format, u.rows, u.cols).is_some();
             specialised += spec as usize;
             vec![
                 u.name.clone(),
@@ -342,7 +343,13 @@ pub fn model_report(m: &PlannedModel, k: &Kernels) -> String {
         )
         .unwrap();
     }
-    if specialised < m.matrices.len() {
+    if !k.specialised() {
+        writeln!(
+            out,
+            "note: BESPOKE_SPECIALISED=off: every matrix runs on the generic kernels"
+        )
+        .unwrap();
+    } else if specialised < m.matrices.len() {
         writeln!(
             out,
             "note: {} of {} matrix shapes run on generic kernels; build with BESPOKE_MODEL={} to specialise them",

@@ -4,10 +4,17 @@ mod common;
 use common::bespoke_command;
 
 fn run(args: &[&str]) -> (bool, String, String) {
+    run_env(args, &[])
+}
+
+/// [`run`] with these environment variables set.
+fn run_env(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
     let out = bespoke_command()
         .args(args)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .env_remove("BESPOKE_KERNELS")
+        .env_remove("BESPOKE_SPECIALISED")
+        .envs(env.iter().copied())
         .output()
         .expect("run bespoke");
     (
@@ -1107,4 +1114,79 @@ fn bench_kernels_tokens_and_compute_roof() {
             "--tokens {n}: {err}"
         );
     }
+}
+
+/// `BESPOKE_SPECIALISED=off` runs every matrix on the generic kernels (the
+/// same text; the banner and `plan` say so); a bad value is a clear error.
+/// `bench e2e --vs-generic` times both, alternated, and writes both.
+#[test]
+fn specialised_off_and_bench_e2e_vs_generic() {
+    let off = [("BESPOKE_SPECIALISED", "off")];
+    let (ok, out, err) = run_env(&["run", "--max-new-tokens", "5"], &off);
+    assert!(ok, "{err}");
+    let (ok2, out2, err2) = run(&["run", "--max-new-tokens", "5"]);
+    assert!(ok2, "{err2}");
+    assert_eq!(
+        out, out2,
+        "generic and specialised kernels must give the same text"
+    );
+    assert!(err.contains("every matrix on the generic kernels"), "{err}");
+    assert!(err2.contains("all specialised for this model"), "{err2}");
+    let (ok, out, err) = run_env(&["plan", "--model", "fixtures/tiny-llama"], &off);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("generic kernels only (BESPOKE_SPECIALISED=off)")
+            && out.contains("BESPOKE_SPECIALISED=off: every matrix runs on the generic kernels"),
+        "{out}"
+    );
+    let (ok, _, err) = run_env(
+        &["run", "--max-new-tokens", "2"],
+        &[("BESPOKE_SPECIALISED", "sometimes")],
+    );
+    assert!(!ok);
+    assert!(
+        err.contains("BESPOKE_SPECIALISED=\"sometimes\"") && err.contains("expected `on`"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+
+    let path = std::env::temp_dir().join(format!("bespoke-e2e-vsg-{}.json", std::process::id()));
+    let p = path.to_str().unwrap();
+    let args = [
+        "bench",
+        "e2e",
+        "--quick",
+        "--vs-generic",
+        "--prompt-len",
+        "40",
+        "--gen",
+        "4",
+        "--threads",
+        "2",
+        "--json",
+        p,
+    ];
+    let (ok, _, err) = run(&args);
+    assert!(ok, "{err}");
+    assert!(err.contains("specialised ÷ generic"), "{err}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let (hit, total) = (
+        v["specialised_matrices"][0].as_u64().unwrap(),
+        v["specialised_matrices"][1].as_u64().unwrap(),
+    );
+    assert!(hit == total && total > 0, "{v}");
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    for r in runs {
+        for key in ["prefill_tok_s", "decode_tok_s", "ttft_ms"] {
+            assert!(r["generic"][key].as_f64().unwrap() > 0.0, "{key}: {r}");
+        }
+    }
+    let (ok, _, err) = run_env(&args, &off);
+    assert!(
+        !ok && err.contains("--vs-generic") && err.contains("BESPOKE_SPECIALISED=off"),
+        "{err}"
+    );
 }

@@ -137,3 +137,60 @@ fn real_checkpoint_is_coherent() {
         g.text
     );
 }
+
+/// `BESPOKE_SPECIALISED=off` / `bench e2e --vs-generic`: the generic
+/// kernels give the specialised ones' logits bit for bit, whole model,
+/// prefill (matmul, several steps) and decode (matvec, attention), for every
+/// variant this CPU runs and the fp4×q8 / bf16dot activations where they
+/// apply (the numerics contract: a kernel's shape is only a constant).
+#[test]
+fn generic_kernels_give_the_specialised_logits_bit_for_bit() {
+    use bespoke::bf16act::Bf16Act;
+    use bespoke::generate::{AnyModel, CausalLm};
+    use bespoke::q8::Fp4Act;
+    for name in ["tiny-llama", "tiny-qwen3-moe", "tiny-dsv4"] {
+        let (m, r) = fixture(name);
+        let prompt = common::ids(&r["prompts"][0]["ids"]);
+        for base in common::variants() {
+            let mut ks = vec![base];
+            if name == "tiny-dsv4" {
+                ks.push(base.with_fp4_act(Fp4Act::Q8));
+            } else if let Ok(k) = base.with_bf16_act(Bf16Act::Bf16) {
+                ks.push(k);
+            }
+            for k in ks {
+                let what = format!(
+                    "{name} / {} / {:?} / {:?}",
+                    k.isa(),
+                    k.fp4_act(),
+                    k.bf16_act()
+                );
+                let (hit, total) = bespoke::commands::specialisation(&m, &k);
+                assert!(
+                    hit > 0,
+                    "{what}: none of {total} matrices specialised (the default BESPOKE_MODEL plans the fixtures)"
+                );
+                let (off, _) = bespoke::commands::specialisation(&m, &k.with_specialised(false));
+                assert_eq!(off, 0, "{what}");
+                let logits = |spec: bool| {
+                    let mut eng = AnyModel::load(&m, k).unwrap();
+                    eng.set_specialised(spec);
+                    let mut cache = CausalLm::new_cache(&eng, prompt.len() + 3).unwrap();
+                    let mut all = CausalLm::prefill(&eng, &mut cache, &prompt, 5, true).unwrap();
+                    for t in [3, 17, 42] {
+                        all.extend(CausalLm::prefill(&eng, &mut cache, &[t], 1, false).unwrap());
+                    }
+                    all
+                };
+                let (a, b) = (logits(true), logits(false));
+                assert_eq!(a.len(), b.len(), "{what}");
+                let differ = a
+                    .iter()
+                    .zip(&b)
+                    .filter(|(x, y)| x.to_bits() != y.to_bits())
+                    .count();
+                assert_eq!(differ, 0, "{what}: {differ} of {} logits differ", a.len());
+            }
+        }
+    }
+}

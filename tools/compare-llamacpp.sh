@@ -7,8 +7,9 @@
 #   --threads N     threads for the "all threads" runs (default: physical cores)
 #   --prompt-len P  prompt tokens (default 128)          --gen N   generated tokens (default 32)
 #   --cache DIR     build, GGUFs, logs, results (default ${BESPOKE_CACHE:-~/.cache/bespoke}/llama.cpp)
-# Environment: BESPOKE_BIN (default: `cargo build --release`), PYTHON (has torch, numpy, transformers,
-# for llama.cpp's GGUF converter; default python3), LLAMACPP_SDIST (llama-cpp-python sdist on disk).
+# Environment: BESPOKE_BIN (default: a build specialised for the model, BESPOKE_MODEL=DIR plus DeepSeek V4
+# Flash's shapes, in $cache/bespoke-target), PYTHON (has torch, numpy, transformers, for llama.cpp's GGUF
+# converter; default python3), LLAMACPP_SDIST (llama-cpp-python sdist on disk).
 #
 # Builds llama.cpp once (vendor/llama.cpp of the llama-cpp-python sdist from PyPI; cmake from PyPI),
 # converts the model with its convert_hf_to_gguf.py (BF16, cached), then times llama-bench against
@@ -50,15 +51,21 @@ if [[ ! -f $MODEL/config.json ]]; then
 fi
 MODEL=$(cd "$MODEL" && pwd)
 ls "$MODEL"/*.safetensors >/dev/null 2>&1 || die "--model $MODEL: no *.safetensors files"
-if [[ -z ${BESPOKE_BIN:-} ]]; then
-  command -v cargo >/dev/null || die "cargo not found; install Rust or set BESPOKE_BIN=/path/to/bespoke"
-  say "building bespoke (cargo build --release)"
-  (cd "$REPO" && cargo build --release) || die "cargo build --release failed"
-  BESPOKE_BIN=$REPO/target/release/bespoke
-fi
-[[ -x $BESPOKE_BIN ]] || die "BESPOKE_BIN=$BESPOKE_BIN is not an executable"
 
 mkdir -p "$CACHE" && CACHE=$(cd "$CACHE" && pwd)
+if [[ -z ${BESPOKE_BIN:-} ]]; then
+  # What bespoke is for: a build specialised for this model (every matrix on a kernel with its
+  # shape baked in), plus DeepSeek V4 Flash's shapes for the kernel rows; its own target
+  # directory, so that the repository's default build is left alone.
+  command -v cargo >/dev/null || die "cargo not found; install Rust or set BESPOKE_BIN=/path/to/bespoke"
+  SPEC="$MODEL,fixtures/configs/deepseek-v4-flash.json,fixtures/configs/deepseek-v4-flash-bf16.json"
+  say "building bespoke specialised for $MODEL (BESPOKE_MODEL=$SPEC cargo build --release" \
+      "--target-dir $CACHE/bespoke-target)"
+  (cd "$REPO" && BESPOKE_MODEL=$SPEC cargo build --release --target-dir "$CACHE/bespoke-target") ||
+    die "cargo build --release (BESPOKE_MODEL=$SPEC) failed"
+  BESPOKE_BIN=$CACHE/bespoke-target/release/bespoke
+fi
+[[ -x $BESPOKE_BIN ]] || die "BESPOKE_BIN=$BESPOKE_BIN is not an executable"
 SRC=$CACHE/src/llama.cpp BUILD=$CACHE/build STAMP=$(date +%Y-%m-%d-%H%M%S)
 RUN=$CACHE/runs/$STAMP && mkdir -p "$RUN"
 # logged NAME CMD...: run CMD, output in $RUN/NAME.log (stdout in $STDOUT if set); on failure show the tail, stop.

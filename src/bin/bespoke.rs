@@ -114,6 +114,13 @@ enum BenchWhat {
         /// One repeat and a small bandwidth buffer (smoke tests).
         #[arg(long)]
         quick: bool,
+        /// What specialisation buys, end to end: also run every repeat on the
+        /// generic kernels only (the same numbers, bit for bit), alternated
+        /// with the specialised runs, and print specialised ÷ generic. Needs
+        /// a build made for the model (BESPOKE_MODEL=DIR cargo build
+        /// --release); the runs are as long again.
+        #[arg(long)]
+        vs_generic: bool,
         /// Also write the results as JSON to FILE.
         #[arg(long, value_name = "FILE")]
         json: Option<PathBuf>,
@@ -286,6 +293,7 @@ fn run(cli: Cli) -> Result<(), String> {
                     chunk,
                     threads: t,
                     quick,
+                    vs_generic,
                     json,
                     num,
                 },
@@ -298,6 +306,7 @@ fn run(cli: Cli) -> Result<(), String> {
                 threads: n,
                 quick,
                 chunk,
+                vs_generic,
                 num,
             };
             let r = bespoke::bench_e2e::e2e(&dir, &opts)?;
