@@ -61,7 +61,7 @@ if [[ -z ${BESPOKE_BIN:-} ]]; then
   SPEC="$MODEL,fixtures/configs/deepseek-v4-flash.json,fixtures/configs/deepseek-v4-flash-bf16.json"
   say "building bespoke specialised for $MODEL (BESPOKE_MODEL=$SPEC cargo build --release" \
       "--target-dir $CACHE/bespoke-target)"
-  (cd "$REPO" && BESPOKE_MODEL=$SPEC cargo build --release --target-dir "$CACHE/bespoke-target") ||
+  (cd "$REPO" && BESPOKE_MODEL=$SPEC cargo build --release --quiet --target-dir "$CACHE/bespoke-target") ||
     die "cargo build --release (BESPOKE_MODEL=$SPEC) failed"
   BESPOKE_BIN=$CACHE/bespoke-target/release/bespoke
 fi
