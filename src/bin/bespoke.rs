@@ -17,7 +17,8 @@ use std::process::ExitCode;
                   (scalar, AVX2, AVX-512, NEON), compiles them into this binary, and \
                   dispatches to the best one the CPU supports.\n\n\
                   Environment: BESPOKE_KERNELS=scalar|avx2|avx512|neon|neon_base forces a variant; \
-                  BESPOKE_THREADS=N sets the thread count."
+                  BESPOKE_SPECIALISED=off runs every matrix on the generic kernels (same numbers; \
+                  `bench e2e --vs-generic` times both); BESPOKE_THREADS=N sets the thread count."
 )]
 struct Cli {
     #[command(subcommand)]
