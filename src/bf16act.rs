@@ -116,7 +116,7 @@ impl Bf16X {
             };
             // A prefill step's tokens across the threads (each value is
             // rounded alone, so the split changes nothing).
-            if x.len() >= crate::threads::PAR_ELEMENTWISE_MIN && rayon::current_num_threads() > 1 {
+            if crate::threads::split_elementwise(x.len()) {
                 use rayon::prelude::*;
                 x.par_chunks_exact(cols)
                     .zip(self.h.par_chunks_exact_mut(xs))

@@ -402,7 +402,7 @@ fn compiled_list() -> String {
 }
 
 /// A BESPOKE_SPECIALISED value: unset, empty or `on` → true, `off` → false.
-pub fn specialised_from(v: Option<&str>) -> Result<bool, KernelError> {
+fn specialised_from(v: Option<&str>) -> Result<bool, KernelError> {
     match v.map(str::trim).unwrap_or("") {
         "" | "on" => Ok(true),
         "off" => Ok(false),
@@ -894,10 +894,7 @@ impl Kernels {
         if x.len() != n * m.cols || y.len() != n * m.rows {
             return None; // the CPU path reports the length error
         }
-        let specialised = self.specialised
-            && self
-                .mat_kernel_specialised(m.format(), m.rows, m.cols)
-                .is_some();
+        let specialised = self.mat_kernel(m.format(), m.rows, m.cols).shape.is_some();
         match crate::gpu::tier::matmul(&d, specialised, x, n) {
             Ok(v) => {
                 y.copy_from_slice(&v);

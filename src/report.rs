@@ -310,8 +310,7 @@ pub fn model_report(m: &PlannedModel, k: &Kernels) -> String {
         .matrices
         .iter()
         .map(|u| {
-            let spec =
-                k.specialised() && k.mat_kernel_specialised(u.format, u.rows, u.cols).is_some();
+            let spec = k.mat_kernel(u.format, u.rows, u.cols).shape.is_some();
             specialised += spec as usize;
             vec![
                 u.name.clone(),

@@ -7,6 +7,12 @@
 pub const PAR_ELEMENTWISE_MIN: usize = 1 << 16;
 pub const PAR_ELEMENTWISE_CHUNK: usize = 1 << 14;
 
+/// Whether element-wise work on `len` values is split across the threads
+/// (see [`PAR_ELEMENTWISE_MIN`]).
+pub fn split_elementwise(len: usize) -> bool {
+    len >= PAR_ELEMENTWISE_MIN && rayon::current_num_threads() > 1
+}
+
 /// Resolve the thread count from a CLI value and the environment.
 pub fn resolve(cli: Option<usize>) -> Result<usize, String> {
     if let Some(n) = cli {

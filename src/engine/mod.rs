@@ -400,7 +400,7 @@ fn swiglu_act(g: &mut [f32], u: &[f32], limit: Option<f32>) {
     // splits it across the threads: done by one, an exp per element, it had
     // about 2.5 % of the samples of a 2-thread 256-token prefill on the Zen
     // 4 VM (perf), all on one thread while the other waited.
-    if g.len() >= crate::threads::PAR_ELEMENTWISE_MIN && rayon::current_num_threads() > 1 {
+    if crate::threads::split_elementwise(g.len()) {
         use rayon::prelude::*;
         g.par_chunks_mut(crate::threads::PAR_ELEMENTWISE_CHUNK)
             .zip(u.par_chunks(crate::threads::PAR_ELEMENTWISE_CHUNK))
