@@ -82,6 +82,18 @@ BS_ALWAYS_INLINE void bs_dec32_e2m1(const void *p, bs_vf o[2][BS_G]) {
 }
 #endif
 
+/* Four accumulators' sums (bs_reduce16 each) to y[0..3]. ISAs that can do
+ * the four trees side by side define BS_HAVE_REDUCE16X4 and their own. */
+#ifndef BS_HAVE_REDUCE16X4
+BS_ALWAYS_INLINE void bs_reduce16x4(float *y, const bs_vf a[BS_G], const bs_vf b[BS_G], const bs_vf c[BS_G],
+                                    const bs_vf d[BS_G]) {
+    y[0] = bs_reduce16(a);
+    y[1] = bs_reduce16(b);
+    y[2] = bs_reduce16(c);
+    y[3] = bs_reduce16(d);
+}
+#endif
+
 /* Lane numbers 0..15, for masking a partial lane group. */
 static const float BS_LANE_INDEX[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 

@@ -154,6 +154,25 @@ static inline float bs_reduce16(const bs_vf a[BS_G]) {
     return _mm_cvtss_f32(s1);
 }
 
+/* Four accumulators summed at once, each by exactly bs_reduce16's tree
+ * (lane l + lane l+8, then + l+4, + l+2, + l+1; f32 addition commutes, so
+ * only the tree decides the result): the same four sums, bit for bit, in 14
+ * instructions instead of 4 x 9, stored to y[0..3]. */
+#define BS_HAVE_REDUCE16X4
+static inline void bs_reduce16x4(float *y, const bs_vf a[BS_G], const bs_vf b[BS_G], const bs_vf c[BS_G],
+                                 const bs_vf d[BS_G]) {
+    /* 256-bit halves: [a lo | b lo] + [a hi | b hi] is a's s8, then b's */
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], b[0], 0x44), _mm512_shuffle_f32x4(a[0], b[0], 0xEE));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], d[0], 0x44), _mm512_shuffle_f32x4(c[0], d[0], 0xEE));
+    /* 128-bit quarters: the s4 of a, b, c and d, one per quarter */
+    const __m512 s4 = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    /* within each quarter: lanes 0, 1 + lanes 2, 3, then lane 0 + lane 1 */
+    const __m512 s2 = _mm512_add_ps(s4, _mm512_shuffle_ps(s4, s4, 0x0E));
+    const __m512 s1 = _mm512_add_ps(s2, _mm512_shuffle_ps(s2, s2, 0x01));
+    const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
+    _mm_storeu_ps(y, _mm512_castps512_ps128(_mm512_permutexvar_ps(first, s1)));
+}
+
 /* fp4×q8 with vpdpbusd (AVX512-VNNI), on x regrouped per 4 blocks (see
  * bs_q8_x86.h and templates/q8.c.tera). */
 #define BS_Q8_XGROUP 4

@@ -55,5 +55,10 @@ static inline simde__m512i bs_emu_maskz_loadu_epi16(simde__mmask32 k, const void
     return r;
 }
 #define _mm512_shuffle_epi32(a, imm) bs_emu_shuffle_epi32((a), (int)(imm))
+/* SIMDe 0.7 has the 128-bit-lane float shuffle (bs_reduce16x4) but no
+ * native-name alias for it. */
+#ifndef _mm512_shuffle_f32x4
+#define _mm512_shuffle_f32x4(a, b, imm) simde_mm512_shuffle_f32x4((a), (b), (imm))
+#endif
 #define _mm512_maskz_loadu_epi16(k, p) bs_emu_maskz_loadu_epi16((k), (p))
 #endif
