@@ -10,7 +10,7 @@ mod common;
 use bespoke::engine::dsv4::Dsv4Model;
 use bespoke::kernels::Kernels;
 use bespoke::model::ModelDir;
-use common::{argmaxes, check_model, fixture, variants};
+use common::{argmaxes, check_context_and_token_errors, check_model, fixture, variants};
 use std::path::Path;
 
 #[test]
@@ -27,20 +27,7 @@ fn tiny_dsv4_hf_matches_transformers() {
 fn context_and_token_errors() {
     let (m, _) = fixture("tiny-dsv4");
     let eng = Dsv4Model::new(&m, Kernels::best()).unwrap();
-    let limit = m.config.max_position_embeddings;
-    let e = eng.new_cache(limit + 1).err().unwrap().to_string();
-    assert!(
-        e.contains(&format!("{}", limit + 1)) && e.contains("max_position_embeddings"),
-        "{e}"
-    );
-    let mut c = eng.new_cache(4).unwrap();
-    let e = eng
-        .forward(&mut c, &[1, 2, 3, 4, 5], false)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("5 tokens"), "{e}");
-    let e = eng.forward(&mut c, &[9999], false).unwrap_err().to_string();
-    assert!(e.contains("9999") && e.contains("vocab"), "{e}");
+    let mut c = check_context_and_token_errors(&eng, m.config.max_position_embeddings);
     // Nothing was appended by the refused calls.
     assert_eq!(c.len, 0);
     assert!(eng.forward(&mut c, &[], false).unwrap().is_empty());

@@ -120,6 +120,30 @@ pub fn argmaxes(logits: &[f32], vocab: usize) -> Vec<u32> {
     logits.chunks_exact(vocab).map(argmax).collect()
 }
 
+/// The errors every engine gives for a cache past the context limit, a call
+/// past its cache's capacity and a token id past the vocabulary (see
+/// tests/engine.rs and tests/dsv4.rs). Returns the cache those calls were
+/// refused on, for the caller to check that nothing was appended.
+pub fn check_context_and_token_errors<M: CausalLm>(eng: &M, limit: usize) -> M::Cache {
+    let e = eng.new_cache(limit + 1).err().unwrap().to_string();
+    assert!(
+        e.contains(&format!("{}", limit + 1)) && e.contains("max_position_embeddings"),
+        "{e}"
+    );
+    let mut c = eng.new_cache(4).unwrap();
+    let e = eng
+        .prefill(&mut c, &[1, 2, 3, 4, 5], 256, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("5 tokens"), "{e}");
+    let e = eng
+        .prefill(&mut c, &[9999], 256, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("9999") && e.contains("vocab"), "{e}");
+    c
+}
+
 /// Token-exact checks of one fixture against its ref.json, for every kernel
 /// variant this CPU runs (see tests/engine.rs and tests/dsv4.rs).
 pub fn check_model(name: &str) {
