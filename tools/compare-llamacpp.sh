@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # compare-llamacpp.sh: bespoke vs llama.cpp on this machine, as one ratio table. Not run in CI.
 #
-#   tools/compare-llamacpp.sh [--model DIR] [--threads N] [--prompt-len P] [--gen N] [--cache DIR]
+#   tools/compare-llamacpp.sh [--model DIR] [--threads N] [--prompt-len P] [--gen N] [--rounds R] [--cache DIR]
 #
 #   --model DIR     HF checkpoint, BF16 safetensors (default /tmp/bespoke-bench-llama: tools/make_bench_model.py)
 #   --threads N     threads for the "all threads" runs (default: physical cores)
 #   --prompt-len P  prompt tokens (default 128)          --gen N   generated tokens (default 32)
+#   --rounds R      whole-model rounds (default 3): llama-bench and bespoke take turns R times, so that
+#                   a shared machine's drift falls on both; each row gives the median of the R
+#                   per-round ratios and their range
 #   --cache DIR     build, GGUFs, logs, results (default ${BESPOKE_CACHE:-~/.cache/bespoke}/llama.cpp)
 # Environment: BESPOKE_BIN (default: a build specialised for the model, BESPOKE_MODEL=DIR plus DeepSeek V4
 # Flash's shapes, in $cache/bespoke-target), PYTHON (has torch, numpy, transformers, for llama.cpp's GGUF
@@ -25,7 +28,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DEFAULT_MODEL=/tmp/bespoke-bench-llama            # tools/make_bench_model.py's --out default
 MODEL=$DEFAULT_MODEL
 THREADS=$(lscpu -p=socket,core 2>/dev/null | grep -v '^#' | sort -u | wc -l)
-PROMPT=128 GEN=32
+PROMPT=128 GEN=32 ROUNDS=3
 CACHE=${BESPOKE_CACHE:-$HOME/.cache/bespoke}/llama.cpp
 PYTHON=${PYTHON:-python3}
 
@@ -35,12 +38,14 @@ while [[ $# -gt 0 ]]; do
     --threads) THREADS=${2:?--threads needs a number}; shift 2 ;;
     --prompt-len) PROMPT=${2:?--prompt-len needs a number}; shift 2 ;;
     --gen) GEN=${2:?--gen needs a number}; shift 2 ;;
+    --rounds) ROUNDS=${2:?--rounds needs a number}; shift 2 ;;
     --cache) CACHE=${2:?--cache needs a directory}; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument: $1" ;;
   esac
 done
 [[ $THREADS =~ ^[1-9][0-9]*$ ]] || die "--threads must be a positive integer (got '$THREADS')"
+[[ $ROUNDS =~ ^[1-9][0-9]*$ ]] || die "--rounds must be a positive integer (got '$ROUNDS')"
 
 # ---- prerequisites -------------------------------------------------------------------------
 for t in python3 tar lscpu make c++; do command -v $t >/dev/null || die "'$t' not found (needed here)"; done
@@ -166,21 +171,25 @@ fi
 # ---- 3. whole model: llama-bench vs bespoke bench e2e ---------------------------------------
 TLIST=1; [[ $THREADS -gt 1 ]] && TLIST=1,$THREADS
 LOAD=$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo unknown)   # other work on the machine skews everything
-say "llama-bench: -p $PROMPT -n $GEN -t $TLIST"
-STDOUT=$RUN/llama-bench.json logged llama-bench "$LLAMA_BENCH" -m "$GGUF" -p "$PROMPT" -n "$GEN" -t "$TLIST" -o json
-say "bespoke bench e2e: --prompt-len $PROMPT --gen $GEN --threads $THREADS"
-logged bespoke-e2e "$BESPOKE_BIN" bench e2e --model "$MODEL" --prompt-len "$PROMPT" --gen "$GEN" \
-  --threads "$THREADS" --json "$RUN/bespoke-e2e.json"
 # llama.cpp multiplies BF16 weights by activations rounded to BF16; bespoke's variant that does the
 # same (--bf16-act bf16, the bf16dot kernels) runs too where the CPU has AVX512_BF16.
 BF16DOT=$("$BESPOKE_BIN" plan 2>/dev/null | grep '^bf16dot ' || true)   # "…, runnable" or "…, not runnable: why"
-if [[ $BF16DOT == *", runnable" ]]; then
-  say "bespoke bench e2e --bf16-act bf16 (the bf16dot kernels, BF16 activations as llama.cpp's)"
-  logged bespoke-e2e-bf16dot "$BESPOKE_BIN" bench e2e --model "$MODEL" --prompt-len "$PROMPT" --gen "$GEN" \
-    --threads "$THREADS" --bf16-act bf16 --json "$RUN/bespoke-e2e-bf16dot.json"
-else
-  say "no bf16dot rows: ${BF16DOT:-this bespoke has no bf16dot kernels}"
-fi
+[[ $BF16DOT == *", runnable" ]] || say "no bf16dot rows: ${BF16DOT:-this bespoke has no bf16dot kernels}"
+# The two sides take turns, round after round: run one after the other only once, and minutes of a
+# shared machine's drift (its read bandwidth moved by 2x within an hour on the VMs measured) land on
+# one side alone.
+for ((i = 1; i <= ROUNDS; i++)); do
+  say "round $i/$ROUNDS: llama-bench -p $PROMPT -n $GEN -t $TLIST; bespoke bench e2e --prompt-len $PROMPT" \
+      "--gen $GEN --threads $THREADS${BF16DOT:+ (and --bf16-act bf16)}"
+  STDOUT=$RUN/llama-bench-$i.json logged llama-bench-$i "$LLAMA_BENCH" -m "$GGUF" -p "$PROMPT" -n "$GEN" \
+    -t "$TLIST" -o json
+  logged bespoke-e2e-$i "$BESPOKE_BIN" bench e2e --model "$MODEL" --prompt-len "$PROMPT" --gen "$GEN" \
+    --threads "$THREADS" --json "$RUN/bespoke-e2e-$i.json"
+  if [[ $BF16DOT == *", runnable" ]]; then
+    logged bespoke-e2e-bf16dot-$i "$BESPOKE_BIN" bench e2e --model "$MODEL" --prompt-len "$PROMPT" \
+      --gen "$GEN" --threads "$THREADS" --bf16-act bf16 --json "$RUN/bespoke-e2e-bf16dot-$i.json"
+  fi
+done
 
 # ---- 4. kernels: test-backend-ops perf vs bespoke bench kernels ------------------------------
 # test-backend-ops runs the CPU backend at hardware_concurrency/2 threads (fixed); bespoke's kernels too.
@@ -212,23 +221,32 @@ logged tbo-shapes "$TBO" perf -b CPU --output sql --test-file "$RUN/shapes.txt"
 
 # ---- 5. the ratio table -----------------------------------------------------------------------
 CPU=$(lscpu | sed -n 's/^Model name: *//p' | head -n 1) TXT=$CACHE/compare-$STAMP.txt
-python3 - "$RUN" "$KT" "$THREADS" "$VERSION" "$CPU" "$("$BESPOKE_BIN" --version)" "$LOAD" <<'EOF' | tee "$TXT"
-import json, re, sys
-run, kt, threads, version, cpu, bver, load = sys.argv[1], int(sys.argv[2]), *sys.argv[3:]
-e2e, lb = json.load(open(f"{run}/bespoke-e2e.json")), json.load(open(f"{run}/llama-bench.json"))
+python3 - "$RUN" "$KT" "$THREADS" "$VERSION" "$CPU" "$("$BESPOKE_BIN" --version)" "$LOAD" "$ROUNDS" \
+  <<'EOF' | tee "$TXT"
+import json, os, re, statistics, sys
+run, kt, threads, version, cpu, bver, load, rounds = sys.argv[1], int(sys.argv[2]), *sys.argv[3:8], int(sys.argv[8])
+def load_json(name):
+    return json.load(open(f"{run}/{name}")) if os.path.exists(f"{run}/{name}") else None
+e2e = [load_json(f"bespoke-e2e-{i}.json") for i in range(1, rounds + 1)]
+e2e_bd = [load_json(f"bespoke-e2e-bf16dot-{i}.json") for i in range(1, rounds + 1)]
+lb = [load_json(f"llama-bench-{i}.json") for i in range(1, rounds + 1)]
 bk = json.load(open(f"{run}/bespoke-kernels.json"))["kernels"]
-try:
-    e2e_bd = json.load(open(f"{run}/bespoke-e2e-bf16dot.json"))
-except FileNotFoundError:
-    e2e_bd = None
-rows = []                                                  # (label, bespoke, llama.cpp)
-for tag, runs in (("", e2e["runs"]), (", bf16dot", e2e_bd["runs"] if e2e_bd else [])):
-    for r in sorted(runs, key=lambda r: r["threads"]):
+rows = []          # (label, bespoke, llama.cpp, range of the per-round ratios or None)
+for tag, sides in (("", e2e), (", bf16dot", e2e_bd if e2e_bd[0] else [])):
+    for t in sorted({r["threads"] for r in sides[0]["runs"]} if sides else []):
         for what, p in (("prefill", True), ("decode", False)):
-            x = next((x for x in lb
-                      if (x["n_threads"], bool(x["n_prompt"]), bool(x["n_gen"])) == (r["threads"], p, not p)), {})
-            noisy = " !" if x and x["stddev_ts"] > 0.1 * x["avg_ts"] else ""   # llama-bench repeats spread > 10%
-            rows.append((f"{what} tok/s, {r['threads']} thread(s){tag}{noisy}", r[f"{what}_tok_s"], x.get("avg_ts")))
+            b, l, noisy = [], [], ""
+            for side, bench in zip(sides, lb):   # round by round
+                x = next((x for x in bench
+                          if (x["n_threads"], bool(x["n_prompt"]), bool(x["n_gen"])) == (t, p, not p)), None)
+                r = next(r for r in side["runs"] if r["threads"] == t)
+                if x:
+                    b.append(r[f"{what}_tok_s"]), l.append(x["avg_ts"])
+                    noisy = noisy or (" !" if x["stddev_ts"] > 0.1 * x["avg_ts"] else "")  # repeats spread > 10%
+            ratios = [u / v for u, v in zip(b, l) if u and v]
+            rows.append((f"{what} tok/s, {t} thread(s){tag}{noisy}", statistics.median(b) if b else None,
+                         statistics.median(l) if l else None,
+                         (statistics.median(ratios), min(ratios), max(ratios)) if ratios else None))
 def perf(name):  # test-backend-ops --output sql -> (type, m, k, weight GB/s) per case
     for line in open(f"{run}/{name}.log"):
         s = re.match(r"INSERT INTO \w+ \((.*?)\) VALUES \('(.*)'\);$", line.strip())
@@ -246,37 +264,42 @@ def bespoke(fmt, res, shape=None):  # best ISA, specialised kernel where the bui
 names = {"bf16": ("bf16", "BF16"), "mxfp4": ("fp4", "FP4 vs MXFP4")}
 for t, m, k, gb in perf("tbo-shapes"):                     # same shape, weights cache-resident
     b = bespoke(names[t][0], "cache", (m, k))
-    rows.append((f"{names[t][1]} matvec GB/s {m}x{k}, {kt}t", b and b["gb_per_s"], gb))
+    rows.append((f"{names[t][1]} matvec GB/s {m}x{k}, {kt}t", b and b["gb_per_s"], gb, None))
     if t == "mxfp4":  # bespoke's int8-activation variant, like llama.cpp's q8_0 activations
         b = bespoke("fp4q8", "cache", (m, k))
-        rows.append((f"FP4xq8 vs MXFP4 matvec GB/s {m}x{k}, {kt}t", b and b["gb_per_s"], gb))
+        rows.append((f"FP4xq8 vs MXFP4 matvec GB/s {m}x{k}, {kt}t", b and b["gb_per_s"], gb, None))
     if t == "bf16":   # bespoke's BF16-activation variant, like llama.cpp's bf16 activations
         b = bespoke("bf16dot", "cache", (m, k))
         if b:
-            rows.append((f"BF16dot vs BF16 matvec GB/s {m}x{k}, {kt}t", b["gb_per_s"], gb))
+            rows.append((f"BF16dot vs BF16 matvec GB/s {m}x{k}, {kt}t", b["gb_per_s"], gb, None))
 for t, m, k, gb in perf("tbo-builtin"):                    # other shapes: GB/s per type
     b = bespoke(names[t][0], "stream")
     label = f"{names[t][1]} GB/s {b['rows']}x{b['cols']} vs {m}x{k}*, {kt}t" if b else f"{t} {m}x{k}*"
-    rows.append((label, b and b["gb_per_s"], gb))
+    rows.append((label, b and b["gb_per_s"], gb, None))
     b = bespoke("bf16dot", "stream") if t == "bf16" else None
     if b:
-        rows.append((f"BF16dot GB/s {b['rows']}x{b['cols']} vs {m}x{k}*, {kt}t", b["gb_per_s"], gb))
+        rows.append((f"BF16dot GB/s {b['rows']}x{b['cols']} vs {m}x{k}*, {kt}t", b["gb_per_s"], gb, None))
 
 f = lambda v: f"{v:10.2f}" if v else "         -"
 print(f"machine:   {cpu}, {threads} threads for the e2e runs, {kt} for the kernels; load average {load} at start")
 print(f"llama.cpp: {version}, BF16 GGUF")
-print(f"bespoke:   {bver}, {e2e['kernels']} kernels, "
-      f"{e2e['specialised_matrices'][0]} of {e2e['specialised_matrices'][1]} matrices on specialised kernels")
-print(f"model:     {e2e['model']}, prompt {e2e['prompt_len']}, gen {e2e['gen']}\n")
-print(f"{'metric':<44} {'bespoke':>10} {'llama.cpp':>10} {'ratio':>7}")
-for label, b, l in rows:
-    print(f"{label:<44} {f(b)} {f(l)} {b / l if b and l else float('nan'):7.2f}")
+print(f"bespoke:   {bver}, {e2e[0]['kernels']} kernels, "
+      f"{e2e[0]['specialised_matrices'][0]} of {e2e[0]['specialised_matrices'][1]} matrices on specialised kernels")
+print(f"model:     {e2e[0]['model']}, prompt {e2e[0]['prompt_len']}, gen {e2e[0]['gen']}; "
+      f"{rounds} whole-model round(s), llama-bench and bespoke taking turns\n")
+print(f"{'metric':<44} {'bespoke':>10} {'llama.cpp':>10} {'ratio':>7}  {'range':>11}")
+for label, b, l, rr in rows:
+    ratio = rr[0] if rr else (b / l if b and l else float("nan"))
+    spread = f"{rr[1]:.2f}-{rr[2]:.2f}" if rr and rounds > 1 else ""
+    print(f"{label:<44} {f(b)} {f(l)} {ratio:7.2f}  {spread:>11}")
 print("""
-ratio = bespoke / llama.cpp (> 1: bespoke faster); GB/s = weight bytes per matvec / time. Same-shape rows:
-test-backend-ops --test-file at bespoke's shapes, weights cache-resident in both. * rows: llama.cpp's own
-perf shape, so GB/s per type (bespoke: its best streamed shape). llama.cpp's times include converting the
-activations (to bf16 / q8_0); bespoke's fp4 kernels take f32 activations, its fp4xq8 ones int8 (the
-closer match); bespoke's bf16 kernels f32 activations, its bf16dot ones (--bf16-act bf16) BF16, as
-llama.cpp's. ! llama-bench's repeats spread by more than 10% (was the machine busy?): rerun first.""")
+ratio = bespoke / llama.cpp (> 1: bespoke faster). tok/s rows: the median of each side over the rounds,
+and the median (range: lowest-highest) of the per-round ratios. GB/s = weight bytes per matvec / time.
+Same-shape rows: test-backend-ops --test-file at bespoke's shapes, weights cache-resident in both.
+* rows: llama.cpp's own perf shape, so GB/s per type (bespoke: its best streamed shape). llama.cpp's
+times include converting the activations (to bf16 / q8_0); bespoke's fp4 kernels take f32 activations,
+its fp4xq8 ones int8 (the closer match); bespoke's bf16 kernels f32 activations, its bf16dot ones
+(--bf16-act bf16) BF16, as llama.cpp's. ! llama-bench's repeats spread by more than 10% in a round
+(was the machine busy?).""")
 EOF
 say "saved $TXT (raw outputs: $RUN)"
