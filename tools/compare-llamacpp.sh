@@ -174,13 +174,14 @@ LOAD=$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo unknown)   # other work o
 # llama.cpp multiplies BF16 weights by activations rounded to BF16; bespoke's variant that does the
 # same (--bf16-act bf16, the bf16dot kernels) runs too where the CPU has AVX512_BF16.
 BF16DOT=$("$BESPOKE_BIN" plan 2>/dev/null | grep '^bf16dot ' || true)   # "…, runnable" or "…, not runnable: why"
-[[ $BF16DOT == *", runnable" ]] || say "no bf16dot rows: ${BF16DOT:-this bespoke has no bf16dot kernels}"
-# The two sides take turns, round after round: run one after the other only once, and minutes of a
-# shared machine's drift (its read bandwidth moved by 2x within an hour on the VMs measured) land on
-# one side alone.
+BD_NOTE=" (and again with --bf16-act bf16)"
+[[ $BF16DOT == *", runnable" ]] || { BD_NOTE=""; say "no bf16dot rows: ${BF16DOT:-this bespoke has no bf16dot kernels}"; }
+# The two sides take turns, round after round: with one run of each, minutes apart, a shared
+# machine's drift (its read bandwidth moved by 2x within an hour on the VMs measured) lands on one
+# side alone.
 for ((i = 1; i <= ROUNDS; i++)); do
   say "round $i/$ROUNDS: llama-bench -p $PROMPT -n $GEN -t $TLIST; bespoke bench e2e --prompt-len $PROMPT" \
-      "--gen $GEN --threads $THREADS${BF16DOT:+ (and --bf16-act bf16)}"
+      "--gen $GEN --threads $THREADS$BD_NOTE"
   STDOUT=$RUN/llama-bench-$i.json logged llama-bench-$i "$LLAMA_BENCH" -m "$GGUF" -p "$PROMPT" -n "$GEN" \
     -t "$TLIST" -o json
   logged bespoke-e2e-$i "$BESPOKE_BIN" bench e2e --model "$MODEL" --prompt-len "$PROMPT" --gen "$GEN" \
