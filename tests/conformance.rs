@@ -386,6 +386,26 @@ fn results_do_not_depend_on_thread_count() {
                 );
             }
         }
+        // Enough rows for whole chunks and the quarter chunks of the end
+        // (2 threads: 14 chunks of 128 rows, then 10 of 32, the last 20).
+        let (rows, cols) = (2100, 32);
+        let o = Owned::random(&mut rng, format, rows, cols);
+        let m = o.matrix();
+        let x = rng.activations(cols);
+        let want = reference::matmul(&m, &x, 1);
+        for k in &ks {
+            for threads in [2, 3] {
+                let mut y = vec![0f32; rows];
+                bespoke::threads::pool(threads)
+                    .install(|| k.matvec(&m, &x, &mut y))
+                    .unwrap();
+                assert!(
+                    first_diff(&y, &want).is_none(),
+                    "{} {format} {rows}x{cols} matvec with {threads} threads",
+                    k.isa()
+                );
+            }
+        }
     }
 }
 
