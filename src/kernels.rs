@@ -1119,7 +1119,7 @@ impl Kernels {
             // thread out of work waits for at most a quarter chunk of the
             // other's (timed per call on the Zen 4 VM, BF16 at 2 threads:
             // the first thread idle for the last 22-26 µs of a ~480 µs call
-            // with whole chunks, 10-12 µs with this; decode tok/s end to end
+            // with whole chunks, 9.5-12 µs with this; decode tok/s end to end
             // within the noise, five alternated rounds).
             let small = (chunk / 4).max(16);
             let tail = (threads * chunk).min(rows);

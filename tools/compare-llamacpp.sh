@@ -242,7 +242,8 @@ for tag, sides in (("", e2e), (", bf16dot", e2e_bd if e2e_bd[0] else [])):
                           if (x["n_threads"], bool(x["n_prompt"]), bool(x["n_gen"])) == (t, p, not p)), None)
                 r = next(r for r in side["runs"] if r["threads"] == t)
                 if x:
-                    b.append(r[f"{what}_tok_s"]), l.append(x["avg_ts"])
+                    b.append(r[f"{what}_tok_s"])
+                    l.append(x["avg_ts"])
                     noisy = noisy or (" !" if x["stddev_ts"] > 0.1 * x["avg_ts"] else "")  # repeats spread > 10%
             ratios = [u / v for u, v in zip(b, l) if u and v]
             rows.append((f"{what} tok/s, {t} thread(s){tag}{noisy}", statistics.median(b) if b else None,
