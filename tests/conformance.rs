@@ -72,14 +72,15 @@ impl Owned {
             s: vec![],
         };
         match format {
-            Format::F32 => o.f = rng.activations(n),
+            Format::F32 => o.f = (0..rows).flat_map(|_| rng.activations(cols)).collect(),
             Format::Bf16 => {
                 o.h = (0..n)
                     .map(|_| match rng.below(60) {
                         0 => 0x8000,                          // -0
                         1 => 0x0001 + rng.below(0x7F) as u16, // subnormal
-                        2 => 0x7F7F,                          // largest finite
-                        3 => 0xFF7F,
+                        // largest finite
+                        2 if rng.keep_extreme(cols) => 0x7F7F,
+                        3 if rng.keep_extreme(cols) => 0xFF7F,
                         _ => formats::f32_to_bf16(rng.unit() * 2.0),
                     })
                     .collect()
@@ -89,20 +90,21 @@ impl Owned {
                 o.b = (0..n)
                     .map(|_| {
                         let c = rng.below(256) as u8;
-                        if c & 0x7F == 0x7F && rng.below(20) != 0 {
+                        if c & 0x7F == 0x7F && (rng.below(20) != 0 || !rng.keep_extreme(cols)) {
                             c ^ 1
                         } else {
                             c
                         }
                     })
                     .collect();
+                // (one scale row serves 128 rows: thinner still)
                 let (sr, sc) = format.scale_shape(rows, cols).unwrap();
-                o.s = (0..sr * sc).map(|_| rng.scale_byte()).collect();
+                o.s = (0..sr * sc).map(|_| rng.scale_byte_of(8 * sc)).collect();
             }
             Format::Fp4 => {
                 o.b = (0..n / 2).map(|_| rng.below(256) as u8).collect();
                 let (sr, sc) = format.scale_shape(rows, cols).unwrap();
-                o.s = (0..sr * sc).map(|_| rng.scale_byte()).collect();
+                o.s = (0..sr * sc).map(|_| rng.scale_byte_of(sc)).collect();
             }
         }
         o
@@ -173,13 +175,36 @@ fn check_full(
     check_owned(ks, rng, &o, ns)
 }
 
+/// Outputs of rows of `cols` columns: on rows of 64 columns and more at
+/// least a quarter finite, so that comparing them compares sums, not only
+/// NaN and infinity (see `Rng::keep_extreme`).
+fn assert_mostly_finite(what: &str, y: &[f32], cols: usize) {
+    let finite = y.iter().filter(|v| v.is_finite()).count();
+    assert!(
+        cols < 64 || finite * 4 >= y.len(),
+        "{what}: only {finite} of {} outputs finite; the test inputs overflow every sum",
+        y.len()
+    );
+}
+
 /// Matvec and matmul of one given matrix on every variant, generic and
 /// specialised, against the scalar reference, bit for bit.
 fn check_owned(ks: &[Kernels], rng: &mut Rng, o: &Owned, ns: &[usize]) -> usize {
+    let x = rng.activations(o.cols);
+    let want = reference::matvec(&o.matrix(), &x);
+    assert_mostly_finite(
+        &format!("{} {}x{}", o.format, o.rows, o.cols),
+        &want,
+        o.cols,
+    );
+    check_owned_with(ks, rng, o, &x, ns)
+}
+
+/// `check_owned` for a given x (the matmul's tokens still random).
+fn check_owned_with(ks: &[Kernels], rng: &mut Rng, o: &Owned, x: &[f32], ns: &[usize]) -> usize {
     let (format, rows, cols) = (o.format, o.rows, o.cols);
     let m = o.matrix();
-    let x = rng.activations(cols);
-    let want = reference::matvec(&m, &x);
+    let want = reference::matvec(&m, x);
     let mut checked = 0;
     for k in ks {
         let mut kernels = vec![("generic", k.mat_kernel_generic(format))];
@@ -188,7 +213,7 @@ fn check_owned(ks: &[Kernels], rng: &mut Rng, o: &Owned, ns: &[usize]) -> usize 
         }
         for (kind, kern) in kernels {
             let mut y = vec![f32::NAN; rows];
-            k.matvec_with(kern, &m, &x, &mut y).unwrap();
+            k.matvec_with(kern, &m, x, &mut y).unwrap();
             if let Some((i, a, b)) = first_diff(&y, &want) {
                 panic!("{} {format} {kind} matvec {rows}x{cols}: row {i}: kernel {a:e} ({:#x}), reference {b:e} ({:#x})", k.isa(), a.to_bits(), b.to_bits());
             }
@@ -218,6 +243,91 @@ fn matrix_kernels_match_reference_on_awkward_shapes() {
         }
     }
     eprintln!("awkward shapes: {count} kernel checks passed");
+}
+
+/// The values the random inputs thin out of long rows (see
+/// `Rng::keep_extreme`), planted in rows of 512 columns: a NaN and a 2^127
+/// and a 2^-127 scale byte, NaN codes, largest-finite and subnormal weights,
+/// and then activations of f32::MAX. Every kernel against the reference bit
+/// for bit, and the planted NaNs must come out.
+#[test]
+fn extremes_in_long_rows() {
+    let ks = runnable();
+    let mut rng = Rng(17);
+    let (rows, cols) = (260, 512);
+    let nan_rows: &[usize] = &[5, 9];
+    for format in FORMATS {
+        let mut o = Owned::random(&mut rng, format, rows, cols);
+        let nb = cols / 32;
+        match format {
+            Format::F32 => {
+                o.f[5 * cols + 3] = f32::NAN;
+                o.f[9 * cols] = f32::INFINITY;
+                o.f[9 * cols + 1] = f32::NEG_INFINITY;
+                o.f[12 * cols + 7] = f32::MAX;
+                o.f[13 * cols + 8] = f32::MIN_POSITIVE / 3.0;
+            }
+            Format::Bf16 => {
+                o.h[5 * cols + 3] = 0x7FC1; // NaN
+                o.h[9 * cols + 511] = 0xFFC0;
+                o.h[12 * cols + 7] = 0x7F7F; // largest finite
+                o.h[13 * cols + 8] = 0xFF7F;
+                o.h[14 * cols + 9] = 0x0003; // subnormal
+            }
+            Format::Fp8 => {
+                o.b[5 * cols + 3] = 0x7F; // NaN codes
+                o.b[9 * cols + 300] = 0xFF;
+                o.b[12 * cols + 7] = 0x7E; // largest finite
+                o.b[13 * cols + 8] = 0x01; // subnormal
+                                           // scale rows of 128 rows: NaN for rows 128..256 (block 1),
+                                           // 2^127 and 2^-127 for rows 256..260
+                o.s[4 + 1] = 0xFF;
+                o.s[2 * 4] = 254;
+                o.s[2 * 4 + 3] = 0;
+            }
+            Format::Fp4 => {
+                o.s[5 * nb + 3] = 0xFF;
+                o.s[9 * nb + nb - 1] = 0xFF;
+                o.s[12 * nb] = 254;
+                o.s[13 * nb + 1] = 0;
+                o.s[14 * nb + 2] = 1;
+            }
+        }
+        let m = o.matrix();
+        let x = rng.activations(cols);
+        let want = reference::matvec(&m, &x);
+        let mut expect_nan: Vec<usize> = nan_rows.to_vec();
+        if format == Format::Fp8 {
+            expect_nan.extend(128..256);
+        }
+        for &r in &expect_nan {
+            assert!(
+                want[r].is_nan(),
+                "{format}: row {r} holds a NaN: {}",
+                want[r]
+            );
+        }
+        assert_mostly_finite(&format!("{format} {rows}x{cols} planted"), &want, cols);
+        check_owned_with(&ks, &mut rng, &o, &x, &[1, 3]);
+        if format == Format::Fp4 {
+            let y = check_q8(&ks, &o, &x);
+            for &r in nan_rows {
+                assert!(y[r].is_nan(), "fp4×q8: row {r} has a NaN scale: {}", y[r]);
+            }
+        }
+        if format == Format::Bf16 && bf16dot_runs() {
+            let y = check_bf16dot(&o, &x, 1);
+            for &r in nan_rows {
+                assert!(y[r].is_nan(), "bf16dot: row {r} holds a NaN: {}", y[r]);
+            }
+        }
+        // The largest activations, of both signs, in a long row.
+        let mut xm = x.clone();
+        xm[100] = f32::MAX;
+        xm[301] = f32::MIN;
+        xm[302] = -1e30;
+        check_owned_with(&ks, &mut rng, &o, &xm, &[1]);
+    }
 }
 
 /// FP8 codes as a real checkpoint has them: nearly all normal, with a zero,
@@ -265,7 +375,7 @@ fn fp8_fast_and_exact_blocks() {
 fn very_wide_rows() {
     let ks = runnable();
     let mut rng = Rng(8);
-    let o = fp8_mostly_normal(&mut rng, 3, 16384 + 160, 5000);
+    let o = fp8_mostly_normal(&mut rng, 3, 16384 + 160, 200_000);
     check_owned(&ks, &mut rng, &o, &[1, 3]);
     for format in [Format::Fp4, Format::Bf16] {
         check_full(&ks, &mut rng, format, 3, 16384 + 64, &[1, 3]);
@@ -324,17 +434,24 @@ fn specialised_kernels_match_reference_on_build_shapes() {
             o.b = b1.repeat(if b1.is_empty() { 0 } else { rows });
             let _ = s1;
             if let Some((sr, sc)) = format.scale_shape(rows, cols) {
-                o.s = (0..sr * sc).map(|_| rng.scale_byte()).collect();
+                o.s = (0..sr * sc).map(|_| rng.scale_byte_of(sc)).collect();
             }
             let m = o.matrix();
             let x = rng.activations(cols);
             let mid = rows / 2 + 7;
+            let ranges = [(0, 9), (mid, (mid + 21).min(rows)), (rows - 5, rows)];
+            let wants: Vec<f32> = ranges
+                .iter()
+                .flat_map(|&(r0, r1)| r0..r1)
+                .map(|r| reference::row_dot(&m, r, &x))
+                .collect();
+            assert_mostly_finite(&format!("{format} {rows}x{cols} row ranges"), &wants, cols);
             for k in &ks {
                 let kern = k
                     .mat_kernel_specialised(format, rows, cols)
                     .expect("specialised kernel of the build");
                 let generic = k.mat_kernel_generic(format);
-                for (r0, r1) in [(0, 9), (mid, (mid + 21).min(rows)), (rows - 5, rows)] {
+                for (r0, r1) in ranges {
                     for kk in [kern, generic] {
                         let mut y = vec![0f32; rows];
                         k.matvec_rows_with(kk, &m, &x, &mut y, r0, r1).unwrap();
@@ -365,6 +482,7 @@ fn results_do_not_depend_on_thread_count() {
         let m = o.matrix();
         let xs = rng.activations(3 * cols);
         let want = reference::matmul(&m, &xs, 3);
+        assert_mostly_finite(&format!("{format} {rows}x{cols}"), &want, cols);
         for k in &ks {
             for threads in [1, 2, 3] {
                 let pool = bespoke::threads::pool(threads);
@@ -393,6 +511,7 @@ fn results_do_not_depend_on_thread_count() {
         let m = o.matrix();
         let x = rng.activations(cols);
         let want = reference::matmul(&m, &x, 1);
+        assert_mostly_finite(&format!("{format} {rows}x{cols}"), &want, cols);
         for k in &ks {
             for threads in [2, 3] {
                 let mut y = vec![0f32; rows];
@@ -628,23 +747,28 @@ fn fp4_q8_matches_its_reference() {
     let ks = runnable();
     let mut rng = Rng(11);
     let mut shapes = awkward_shapes(Format::Fp4);
-    // 8-block groups: exact, with a tail of 1 and of 7 blocks
+    // 8-block groups: exact, with a tail of 1 and of 7 blocks; AVX-512's
+    // 16-block steps: exact, with one 8-block step, with both and a tail
     shapes.extend([(3, 256), (4, 288), (5, 480), (1, 32 * 17)]);
+    shapes.extend([(2, 512), (3, 768), (2, 32 * 27), (3, 32 * 41)]);
     // rows past the widest that AVX-512 regroups x for (32768 columns; its
     // other path) and the widest it does
     shapes.extend([(2, 32768 + 32 * 9), (2, 32768)]);
     shapes.extend(specialised_shapes(Format::Fp4));
     for &(rows, cols) in &shapes {
         let o = Owned::random(&mut rng, Format::Fp4, rows, cols);
-        // Every kind of activation (zeros, -0, subnormals, 1e30, f32::MAX)
-        // and, on some shapes, a block holding an infinity or a NaN.
+        // Every kind of finite activation (zeros, -0, subnormals, 1e30,
+        // f32::MAX): most rows finite (a NaN scale byte makes its row NaN),
+        // so the bits compared are real sums.
         let mut x = rng.activations(cols);
+        let y = check_q8(&ks, &o, &x);
+        assert_mostly_finite(&format!("fp4×q8 {rows}x{cols}"), &y, cols);
+        // Then a block holding an infinity and one holding a NaN: every
+        // output NaN.
         if cols >= 96 {
             x[40] = f32::INFINITY;
             x[cols - 1] = f32::NAN;
-        }
-        let y = check_q8(&ks, &o, &x);
-        if cols >= 96 {
+            let y = check_q8(&ks, &o, &x);
             assert!(
                 y.iter().all(|v| v.is_nan()),
                 "a NaN activation block makes every output NaN"
@@ -814,6 +938,11 @@ fn bf16dot_matches_its_reference() {
                 x[2 * cols - 1] = f32::NAN;
             }
             let y = check_bf16dot(&o, &x, n);
+            assert_mostly_finite(
+                &format!("bf16dot {rows}x{cols} n={n} token 0"),
+                &y[..rows],
+                cols,
+            );
             if cols >= 96 && n == 5 {
                 assert!(y[rows..2 * rows].iter().all(|v| v.is_nan()));
             }
@@ -831,6 +960,10 @@ fn bf16dot_matches_its_reference() {
         let a = Bf16X::pack(&x, n, cols).unwrap();
         let xs = a.stride();
         let mid = rows / 2 + 7;
+        let wants: Vec<f32> = (0..n)
+            .map(|j| bf16act::row_dot(&one.h, &a.bits()[j * xs..(j + 1) * xs]))
+            .collect();
+        assert_mostly_finite(&format!("bf16dot {rows}x{cols} tiled row"), &wants, cols);
         let spec = Kernels::bf16dot_kernel_specialised(rows, cols).unwrap();
         let generic = Kernels::bf16dot_kernel_generic().unwrap();
         for (r0, r1) in [(0, 9), (mid, (mid + 21).min(rows)), (rows - 5, rows)] {

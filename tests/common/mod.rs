@@ -41,8 +41,31 @@ impl Rng {
             _ => self.unit() * 4.0,
         }
     }
+    /// `n` activations, every kind of `activation`; in vectors longer than
+    /// 16 the large ones (about 1e30, and the largest finite) are kept with
+    /// probability 1 / 8n, so that nearly all vectors have none: one vector
+    /// meets every row of a matrix, and one such value can take every
+    /// output to ±inf (see `keep_extreme`).
     pub fn activations(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.activation()).collect()
+        (0..n)
+            .map(|_| loop {
+                let a = self.activation();
+                if a.abs() < 1e20 || n <= 16 || self.below(8 * n as u64) == 0 {
+                    break a;
+                }
+            })
+            .collect()
+    }
+    /// Whether to keep a value that overflows a sum it meets (a largest
+    /// finite activation or weight, a NaN code or scale, a scale of 2^127)
+    /// among `n` in a row: always in rows of up to 2 (where every kind of
+    /// input is wanted densely), with probability 2 / n in longer ones, so
+    /// that most rows of any width meet none. Kept at the dense
+    /// rate everywhere, nearly every output of a row of a hundred columns
+    /// or more is ±inf or NaN, and comparing those says little about the
+    /// sums.
+    pub fn keep_extreme(&mut self, n: usize) -> bool {
+        self.below(n.max(2) as u64) < 2
     }
     /// A UE8M0 scale byte: mostly moderate, sometimes extreme or NaN (0xFF).
     pub fn scale_byte(&mut self) -> u8 {
@@ -52,6 +75,16 @@ impl Rng {
             2 => 254,
             3 => 1,
             _ => 118 + self.below(16) as u8,
+        }
+    }
+    /// A scale byte of one of `n` blocks in a row: the NaN and 2^127 ones
+    /// thinned out as `keep_extreme` says.
+    pub fn scale_byte_of(&mut self, n: usize) -> u8 {
+        loop {
+            let b = self.scale_byte();
+            if (b != 0xFF && b != 254) || self.keep_extreme(n) {
+                break b;
+            }
         }
     }
 }
