@@ -31,7 +31,13 @@ static inline simde__m512i bs_emu_cvtps_epi32(simde__m512 a) {
     return bs_emu_join(simde_mm256_cvtps_epi32(simde_mm512_castps512_ps256(a)),
                        simde_mm256_cvtps_epi32(simde_mm256_castpd_ps(simde_mm512_extractf64x4_pd(simde_mm512_castps_pd(a), 1))));
 }
+static inline simde__m512 bs_emu_cvtepi32_ps(simde__m512i a) {
+    const simde__m256 lo = simde_mm256_cvtepi32_ps(simde_mm512_castsi512_si256(a));
+    const simde__m256 hi = simde_mm256_cvtepi32_ps(simde_mm512_extracti64x4_epi64(a, 1));
+    return simde_mm512_insertf32x8(simde_mm512_castps256_ps512(lo), hi, 1);
+}
 #define _mm512_cvtepu16_epi32(a) bs_emu_cvtepu16_epi32(a)
+#define _mm512_cvtepi32_ps(a) bs_emu_cvtepi32_ps(a)
 #define _mm512_cvtepu8_epi32(a) bs_emu_cvtepu8_epi32(a)
 #define _mm512_cvtps_epi32(a) bs_emu_cvtps_epi32(a)
 
