@@ -13,14 +13,27 @@ pub trait CausalLm {
     fn vocab(&self) -> usize;
     /// An empty KV cache for up to `capacity` tokens.
     fn new_cache(&self, capacity: usize) -> Result<Self::Cache, EngineError>;
-    /// Append `tokens` in chunks; all positions' logits or the last one's.
+    /// Run `tokens` (appended at the cache's end) through the model in one
+    /// step: every position's logits when `all_logits`, else the last one's.
+    fn forward(
+        &self,
+        cache: &mut Self::Cache,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<Vec<f32>, EngineError>;
+    /// Append `tokens` in steps of `chunk` (each through the small-batch
+    /// matmul kernels); all positions' logits or the last one's.
     fn prefill(
         &self,
         cache: &mut Self::Cache,
         tokens: &[u32],
         chunk: usize,
         all_logits: bool,
-    ) -> Result<Vec<f32>, EngineError>;
+    ) -> Result<Vec<f32>, EngineError> {
+        crate::engine::prefill_chunks(tokens, chunk, all_logits, |piece, all| {
+            self.forward(cache, piece, all)
+        })
+    }
 }
 
 impl<'m> CausalLm for crate::engine::llama::LlamaModel<'m> {
@@ -31,14 +44,13 @@ impl<'m> CausalLm for crate::engine::llama::LlamaModel<'m> {
     fn new_cache(&self, capacity: usize) -> Result<Self::Cache, EngineError> {
         crate::engine::llama::LlamaModel::new_cache(self, capacity)
     }
-    fn prefill(
+    fn forward(
         &self,
         cache: &mut Self::Cache,
         tokens: &[u32],
-        chunk: usize,
         all_logits: bool,
     ) -> Result<Vec<f32>, EngineError> {
-        crate::engine::llama::LlamaModel::prefill(self, cache, tokens, chunk, all_logits)
+        crate::engine::llama::LlamaModel::forward(self, cache, tokens, all_logits)
     }
 }
 
@@ -133,20 +145,15 @@ impl CausalLm for AnyModel<'_> {
             AnyModel::Dsv4(m) => AnyCache::Dsv4(CausalLm::new_cache(m, capacity)?),
         })
     }
-    fn prefill(
+    fn forward(
         &self,
         cache: &mut AnyCache,
         tokens: &[u32],
-        chunk: usize,
         all_logits: bool,
     ) -> Result<Vec<f32>, EngineError> {
         match (self, cache) {
-            (AnyModel::Llama(m), AnyCache::Llama(c)) => {
-                CausalLm::prefill(m, c, tokens, chunk, all_logits)
-            }
-            (AnyModel::Dsv4(m), AnyCache::Dsv4(c)) => {
-                CausalLm::prefill(m, c, tokens, chunk, all_logits)
-            }
+            (AnyModel::Llama(m), AnyCache::Llama(c)) => CausalLm::forward(m, c, tokens, all_logits),
+            (AnyModel::Dsv4(m), AnyCache::Dsv4(c)) => CausalLm::forward(m, c, tokens, all_logits),
             _ => Err(EngineError::Unsupported(
                 "a cache made by another engine".into(),
             )),

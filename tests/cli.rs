@@ -3,6 +3,11 @@
 mod common;
 use common::bespoke_command;
 
+/// A command line's words (none of them holds a space).
+fn words(line: &str) -> Vec<&str> {
+    line.split_whitespace().collect()
+}
+
 fn run(args: &[&str]) -> (bool, String, String) {
     run_env(args, &[])
 }
@@ -259,23 +264,11 @@ fn bench_kernels_shape_sets() {
         err.contains("skipped head") && err.contains("129280"),
         "{err}"
     );
-    let (ok, _, err) = run(&[
-        "bench",
-        "kernels",
-        "--quick",
-        "--model",
-        "/nonexistent-model",
-    ]);
+    let (ok, _, err) = run(&words("bench kernels --quick --model /nonexistent-model"));
     assert!(!ok && err.contains("/nonexistent-model"), "{err}");
-    let (ok, _, err) = run(&[
-        "bench",
-        "kernels",
-        "--quick",
-        "--shapes",
-        "dsv4-flash",
-        "--model",
-        "fixtures/tiny-llama",
-    ]);
+    let (ok, _, err) = run(&words(
+        "bench kernels --quick --shapes dsv4-flash --model fixtures/tiny-llama",
+    ));
     assert!(!ok && err.contains("cannot be used with"), "{err}");
     std::fs::remove_file(&path).ok();
 }
@@ -312,7 +305,7 @@ fn inspect_every_fixture() {
             && out.contains("FP8 E4M3"),
         "{out}"
     );
-    let (_, out, _) = run(&["inspect", "--model", "fixtures/tiny-dsv4-hf", "--brief"]);
+    let (_, out, _) = run(&words("inspect --model fixtures/tiny-dsv4-hf --brief"));
     assert!(
         out.contains("Hugging Face transformers names") && !out.contains("read as"),
         "{out}"
@@ -552,21 +545,7 @@ fn run_and_score_errors_are_clear() {
 fn bench_e2e_quick_writes_json() {
     let path = std::env::temp_dir().join(format!("bespoke-e2e-{}.json", std::process::id()));
     let p = path.to_str().unwrap();
-    let (ok, _, err) = run(&[
-        "bench",
-        "e2e",
-        "--model",
-        "fixtures/tiny-qwen3-moe",
-        "--quick",
-        "--prompt-len",
-        "70",
-        "--gen",
-        "4",
-        "--threads",
-        "2",
-        "--json",
-        p,
-    ]);
+    let (ok, _, err) = run(&[words("bench e2e --model fixtures/tiny-qwen3-moe --quick --prompt-len 70 --gen 4 --threads 2 --json"), vec![p]].concat());
     assert!(ok, "{err}");
     assert!(
         err.contains("decode") && err.contains("% of read bandwidth"),
@@ -590,19 +569,9 @@ fn bench_e2e_quick_writes_json() {
         "{out}{err}"
     );
     // DeepSeek V4 too, with its bytes per token (FP8/FP4 weights + scales).
-    let (ok, _, err) = run(&[
-        "bench",
-        "e2e",
-        "--model",
-        "fixtures/tiny-dsv4",
-        "--quick",
-        "--prompt-len",
-        "20",
-        "--gen",
-        "3",
-        "--threads",
-        "1",
-    ]);
+    let (ok, _, err) = run(&words(
+        "bench e2e --model fixtures/tiny-dsv4 --quick --prompt-len 20 --gen 3 --threads 1",
+    ));
     assert!(
         ok && err.contains("read per decoded token") && err.contains("% of read bandwidth"),
         "{err}"
@@ -671,20 +640,13 @@ fn stop_strings_end_generation_and_are_not_printed() {
 /// none, and the run says so instead of splitting them into pieces.
 #[test]
 fn deepseek_v4_chat_needs_its_special_tokens() {
-    let (ok, _, err) = run(&[
-        "run",
-        "--model",
-        "fixtures/tiny-dsv4",
-        "--chat",
-        "--prompt",
-        "hi",
-    ]);
+    let (ok, _, err) = run(&words("run --model fixtures/tiny-dsv4 --chat --prompt hi"));
     assert!(!ok);
     assert!(
         err.contains("chat encoding needs") && err.contains("begin▁of▁sentence"),
         "{err}"
     );
-    let (ok, _, err) = run(&["run", "--think", "--prompt", "hi"]);
+    let (ok, _, err) = run(&words("run --think --prompt hi"));
     assert!(!ok && err.contains("--chat"), "{err}");
 }
 
@@ -735,20 +697,14 @@ fn fp4_act_q8_flag() {
         dq8 < dds,
         "fp4×q8 moved the logits by {dq8}, FP8 activations by {dds}"
     );
-    let (ok, _, err) = run(&[
-        "run",
-        "--model",
-        "fixtures/tiny-dsv4",
-        "--fp4-act",
-        "q8",
-        "--max-new-tokens",
-        "2",
-    ]);
+    let (ok, _, err) = run(&words(
+        "run --model fixtures/tiny-dsv4 --fp4-act q8 --max-new-tokens 2",
+    ));
     assert!(
         ok && err.contains("fp4×q8") && err.contains("not token-exact"),
         "{err}"
     );
-    let (ok, _, err) = run(&["run", "--fp4-act", "q8", "--max-new-tokens", "2"]);
+    let (ok, _, err) = run(&words("run --fp4-act q8 --max-new-tokens 2"));
     assert!(
         ok && err.contains("changes nothing") && !err.contains("not token-exact"),
         "{err}"
@@ -833,15 +789,9 @@ fn bf16_act_flag() {
                 "greedy choices: {same} of {} the same",
                 a32.len()
             );
-            let (ok, _, err) = run(&[
-                "run",
-                "--model",
-                "fixtures/tiny-llama",
-                "--bf16-act",
-                "bf16",
-                "--max-new-tokens",
-                "2",
-            ]);
+            let (ok, _, err) = run(&words(
+                "run --model fixtures/tiny-llama --bf16-act bf16 --max-new-tokens 2",
+            ));
             assert!(
                 ok && err.contains("bf16dot") && err.contains("not token-exact"),
                 "{err}"
@@ -893,7 +843,7 @@ fn deepseek_numerics_flag() {
         t.iter().zip(&d).any(|(a, b)| a != b),
         "FP8 activations changed nothing"
     );
-    let (ok, _, err) = run(&["score", "--ids", "1,2", "--numerics", "deepseek"]);
+    let (ok, _, err) = run(&words("score --ids 1,2 --numerics deepseek"));
     assert!(!ok && err.contains("applies to DeepSeek V4"), "{err}");
 }
 
@@ -988,21 +938,7 @@ fn expert_usage_is_saved_next_to_the_model() {
 fn bench_kernels_isa_and_weight_offset() {
     let path = std::env::temp_dir().join(format!("bespoke-bench-isa-{}.json", std::process::id()));
     let p = path.to_str().unwrap();
-    let (ok, _, err) = run(&[
-        "bench",
-        "kernels",
-        "--quick",
-        "--threads",
-        "1",
-        "--formats",
-        "fp8",
-        "--isa",
-        "scalar",
-        "--weight-offset",
-        "24",
-        "--json",
-        p,
-    ]);
+    let (ok, _, err) = run(&[words("bench kernels --quick --threads 1 --formats fp8 --isa scalar --weight-offset 24 --json"), vec![p]].concat());
     assert!(ok, "{err}");
     assert!(err.contains("24 bytes past a 64-byte boundary"), "{err}");
     let v: serde_json::Value =
@@ -1049,18 +985,10 @@ fn bench_kernels_tokens_and_compute_roof() {
         std::env::temp_dir().join(format!("bespoke-bench-tokens-{}.json", std::process::id()));
     let p = path.to_str().unwrap();
     let (ok, out, err) = run(&[
-        "bench",
-        "kernels",
-        "--quick",
-        "--threads",
-        "1",
-        "--formats",
-        "bf16",
-        "--tokens",
-        "3",
-        "--json",
-        p,
-    ]);
+        words("bench kernels --quick --threads 1 --formats bf16 --tokens 3 --json"),
+        vec![p],
+    ]
+    .concat());
     assert!(ok, "{err}");
     assert!(out.contains("% peak") && out.contains(" ×3 "), "{out}");
     let v: serde_json::Value =

@@ -8,6 +8,7 @@
 mod common;
 
 use bespoke::engine::dsv4::Dsv4Model;
+use bespoke::generate::CausalLm;
 use bespoke::kernels::Kernels;
 use bespoke::model::ModelDir;
 use common::{argmaxes, check_context_and_token_errors, check_model, fixture, variants};

@@ -956,20 +956,6 @@ impl<'m> Dsv4Model<'m> {
         Ok(logits)
     }
 
-    /// Prefill `tokens` in chunks of `chunk`. Returns every position's logits
-    /// when `all_logits`, else the last position's.
-    pub fn prefill(
-        &self,
-        cache: &mut Dsv4Cache,
-        tokens: &[u32],
-        chunk: usize,
-        all_logits: bool,
-    ) -> Result<Vec<f32>, EngineError> {
-        super::prefill_chunks(tokens, chunk, all_logits, |piece, all| {
-            self.forward(cache, piece, all)
-        })
-    }
-
     /// The attention sub-block for `n` tokens at pos0.. (input `a`, already
     /// normed): returns [n, D].
     fn attention(
@@ -1195,29 +1181,10 @@ impl<'m> Dsv4Model<'m> {
             }
         }
         let mut out = vec![0.0f32; n * d];
-        let (mut xe, mut ye) = (Vec::new(), Vec::new());
         // Experts in index order, each over its tokens (transformers' order).
-        for (e, group) in chosen.iter().enumerate() {
-            if group.is_empty() {
-                continue;
-            }
-            self.usage.record(li, e, group.len());
-            let g = group.len();
-            xe.clear();
-            for &(t, _) in group {
-                xe.extend_from_slice(&x[t * d..(t + 1) * d]);
-            }
-            ye.resize(g * d, 0.0);
-            self.swiglu(&m.experts[e], &xe, g, Some(self.swiglu_limit), &mut ye)?;
-            for (j, &(t, w)) in group.iter().enumerate() {
-                for (o, y) in out[t * d..(t + 1) * d]
-                    .iter_mut()
-                    .zip(&ye[j * d..(j + 1) * d])
-                {
-                    *o += y * w;
-                }
-            }
-        }
+        super::add_routed_experts(&chosen, x, d, &mut out, &self.usage, li, |e, xe, g, ye| {
+            self.swiglu(&m.experts[e], xe, g, Some(self.swiglu_limit), ye)
+        })?;
         if let Some(sh) = &m.shared {
             let mut y = vec![0.0f32; n * d];
             let limit = match self.numerics {
@@ -1256,13 +1223,12 @@ impl crate::generate::CausalLm for Dsv4Model<'_> {
     fn new_cache(&self, capacity: usize) -> Result<Dsv4Cache, EngineError> {
         Dsv4Model::new_cache(self, capacity)
     }
-    fn prefill(
+    fn forward(
         &self,
         cache: &mut Dsv4Cache,
         tokens: &[u32],
-        chunk: usize,
         all_logits: bool,
     ) -> Result<Vec<f32>, EngineError> {
-        Dsv4Model::prefill(self, cache, tokens, chunk, all_logits)
+        Dsv4Model::forward(self, cache, tokens, all_logits)
     }
 }

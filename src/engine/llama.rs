@@ -404,21 +404,6 @@ impl<'m> LlamaModel<'m> {
         Ok(logits)
     }
 
-    /// Prefill `tokens` in chunks of `chunk` (each through the small-batch
-    /// matmul kernels). Returns every position's logits when `all_logits`,
-    /// else the last position's.
-    pub fn prefill(
-        &self,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        chunk: usize,
-        all_logits: bool,
-    ) -> Result<Vec<f32>, EngineError> {
-        super::prefill_chunks(tokens, chunk, all_logits, |piece, all| {
-            self.forward(cache, piece, all)
-        })
-    }
-
     fn mlp(
         &self,
         li: usize,
@@ -464,31 +449,10 @@ impl<'m> LlamaModel<'m> {
                 out[..n * d].fill(0.0);
                 // Experts in index order, each over its group of tokens at once
                 // (transformers adds them in the same order).
-                let mut xe = Vec::new();
-                let mut ye = Vec::new();
-                for (ei, group) in chosen.iter().enumerate() {
-                    if group.is_empty() {
-                        continue;
-                    }
-                    self.usage.record(li, ei, group.len());
-                    let m = group.len();
-                    xe.clear();
-                    for &(t, _) in group {
-                        xe.extend_from_slice(&x[t * d..(t + 1) * d]);
-                    }
-                    ye.resize(m * d, 0.0);
-                    let [g, u, dn] = &experts[ei];
-                    swiglu(k, [g, u, dn], &xe, m, None, false, &mut ye)?;
-                    for (j, &(t, w)) in group.iter().enumerate() {
-                        for (o, y) in out[t * d..(t + 1) * d]
-                            .iter_mut()
-                            .zip(&ye[j * d..(j + 1) * d])
-                        {
-                            *o += y * w;
-                        }
-                    }
-                }
-                Ok(())
+                super::add_routed_experts(&chosen, x, d, out, &self.usage, li, |e, xe, m, ye| {
+                    let [g, u, dn] = &experts[e];
+                    swiglu(k, [g, u, dn], xe, m, None, false, ye)
+                })
             }
         }
     }

@@ -65,6 +65,46 @@ pub fn prefill_chunks(
     Ok(out)
 }
 
+/// The routed experts' part of an MoE block: `out` (n × d) gets, for every
+/// expert in index order that any token chose (`chosen[e]`: its tokens and
+/// their weights, in token order), `expert(e, xe, g, ye)` run once over its
+/// g tokens' rows of `x` at once, each row added back scaled by its weight
+/// (transformers adds the experts in the same order). Each expert's use is
+/// recorded in `usage` for layer `layer`.
+pub fn add_routed_experts(
+    chosen: &[Vec<(usize, f32)>],
+    x: &[f32],
+    d: usize,
+    out: &mut [f32],
+    usage: &crate::placement::UsageCounter,
+    layer: usize,
+    mut expert: impl FnMut(usize, &[f32], usize, &mut [f32]) -> Result<(), EngineError>,
+) -> Result<(), EngineError> {
+    let (mut xe, mut ye) = (Vec::new(), Vec::new());
+    for (e, group) in chosen.iter().enumerate() {
+        if group.is_empty() {
+            continue;
+        }
+        usage.record(layer, e, group.len());
+        let g = group.len();
+        xe.clear();
+        for &(t, _) in group {
+            xe.extend_from_slice(&x[t * d..(t + 1) * d]);
+        }
+        ye.resize(g * d, 0.0);
+        expert(e, &xe, g, &mut ye)?;
+        for (j, &(t, w)) in group.iter().enumerate() {
+            for (o, y) in out[t * d..(t + 1) * d]
+                .iter_mut()
+                .zip(&ye[j * d..(j + 1) * d])
+            {
+                *o += y * w;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A weight matrix [rows, cols] read from the model, in place when aligned.
 pub struct Mat<'m> {
     pub name: String,
