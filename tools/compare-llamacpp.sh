@@ -179,11 +179,22 @@ BD_NOTE=" (and again with --bf16-act bf16)"
 # The two sides take turns, round after round: with one run of each, minutes apart, a shared
 # machine's drift (its read bandwidth moved by 2x within an hour on the VMs measured) lands on one
 # side alone.
+# bespoke's decode runs after its prompt, at context PROMPT..PROMPT+GEN; llama-bench's tg test starts
+# from an empty context unless given a depth (-d), so where it has -d its decode runs at the same
+# depth, as a test of its own (-d on the pp test would prefill at that depth too).
+# (its help read whole first: grep -q stopping early would fail the pipe under pipefail)
+DEPTH=(); LB_HELP=$("$LLAMA_BENCH" --help 2>&1 || true)
+[[ $LB_HELP == *--n-depth* ]] && DEPTH=(-d "$PROMPT")
+[[ ${#DEPTH[@]} -gt 0 ]] || say "this llama-bench has no -d: its decode starts from an empty context"
 for ((i = 1; i <= ROUNDS; i++)); do
-  say "round $i/$ROUNDS: llama-bench -p $PROMPT -n $GEN -t $TLIST; bespoke bench e2e --prompt-len $PROMPT" \
-      "--gen $GEN --threads $THREADS$BD_NOTE"
-  STDOUT=$RUN/llama-bench-$i.json logged llama-bench-$i "$LLAMA_BENCH" -m "$GGUF" -p "$PROMPT" -n "$GEN" \
-    -t "$TLIST" -o json
+  say "round $i/$ROUNDS: llama-bench -p $PROMPT -n 0, -p 0 -n $GEN ${DEPTH[*]} -t $TLIST;" \
+      "bespoke bench e2e --prompt-len $PROMPT --gen $GEN --threads $THREADS$BD_NOTE"
+  STDOUT=$RUN/llama-bench-pp-$i.json logged llama-bench-pp-$i "$LLAMA_BENCH" -m "$GGUF" -p "$PROMPT" \
+    -n 0 -t "$TLIST" -o json
+  STDOUT=$RUN/llama-bench-tg-$i.json logged llama-bench-tg-$i "$LLAMA_BENCH" -m "$GGUF" -p 0 -n "$GEN" \
+    "${DEPTH[@]}" -t "$TLIST" -o json
+  python3 -c 'import json, sys; json.dump(sum((json.load(open(f)) for f in sys.argv[2:]), []), open(sys.argv[1], "w"))' \
+    "$RUN/llama-bench-$i.json" "$RUN/llama-bench-pp-$i.json" "$RUN/llama-bench-tg-$i.json"
   logged bespoke-e2e-$i "$BESPOKE_BIN" bench e2e --model "$MODEL" --prompt-len "$PROMPT" --gen "$GEN" \
     --threads "$THREADS" --json "$RUN/bespoke-e2e-$i.json"
   if [[ $BF16DOT == *", runnable" ]]; then
@@ -287,8 +298,10 @@ print(f"machine:   {cpu}, {threads} threads for the e2e runs, {kt} for the kerne
 print(f"llama.cpp: {version}, BF16 GGUF")
 print(f"bespoke:   {bver}, {e2e[0]['kernels']} kernels, "
       f"{e2e[0]['specialised_matrices'][0]} of {e2e[0]['specialised_matrices'][1]} matrices on specialised kernels")
+depth = max((x.get("n_depth", 0) for x in lb[0] if x["n_gen"]), default=0)
 print(f"model:     {e2e[0]['model']}, prompt {e2e[0]['prompt_len']}, gen {e2e[0]['gen']}; "
-      f"{rounds} whole-model round(s), llama-bench and bespoke taking turns\n")
+      f"{rounds} whole-model round(s), llama-bench and bespoke taking turns; llama.cpp decodes at depth "
+      f"{depth}" + (" (empty context; bespoke after its prompt)" if not depth else ", after the prompt as bespoke") + "\n")
 print(f"{'metric':<44} {'bespoke':>10} {'llama.cpp':>10} {'ratio':>7}  {'range':>11}")
 for label, b, l, rr in rows:
     ratio = rr[0] if rr else (b / l if b and l else float("nan"))
