@@ -375,7 +375,14 @@ fn fp8_fast_and_exact_blocks() {
 fn very_wide_rows() {
     let ks = runnable();
     let mut rng = Rng(8);
-    let o = fp8_mostly_normal(&mut rng, 3, 16384 + 160, 200_000);
+    // Zero and subnormal codes in some blocks (AVX2 redoes those blocks
+    // exactly), no NaN codes: a NaN in each of three rows this wide would
+    // leave nothing but NaN to compare.
+    let mut o = fp8_mostly_normal(&mut rng, 3, 16384 + 160, 5000);
+    for b in o.b.iter_mut().filter(|b| **b & 0x7F == 0x7F) {
+        *b &= 0x80;
+    }
+    assert!(o.b.iter().filter(|&&b| b & 0x7F < 8).count() >= 6);
     check_owned(&ks, &mut rng, &o, &[1, 3]);
     for format in [Format::Fp4, Format::Bf16] {
         check_full(&ks, &mut rng, format, 3, 16384 + 64, &[1, 3]);
