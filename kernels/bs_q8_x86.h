@@ -66,9 +66,12 @@ static inline void bs_q8_step8(bs_q8acc *acc, const uint8_t *w, const uint8_t *w
 /* AVX-512 VNNI (the ISA header defines BS_Q8_XGROUP): the kernel regroups xq
  * once per call so that each 4 blocks' 128 bytes are their 4 even halves,
  * then their 4 odd halves, and one 64-byte load of packed weights (4 blocks)
- * meets x directly: the low nibbles (2w + 12 by vpshufb) against the even
+ * meets x directly: the low nibbles (2w + 12 by vpermb) against the even
  * halves, the high ones against the odd, four products a dword by vpdpbusd
- * (exact int32), so 128-bit lane k holds block k's four partial sums. */
+ * (exact int32), so 128-bit lane k holds block k's four partial sums.
+ * vpermb reads the low 6 bits of each index byte and lut holds the 16
+ * entries four times over, so a byte's high nibble (or, shifted, the next
+ * byte's bits) changes nothing: no mask needed. */
 static inline __m512i bs_q8_dot4g(const uint8_t *w, const int8_t *xg, __m512i lut) {
     const __m512i v = _mm512_loadu_si512(w);
     const __m512i lo = _mm512_permutexvar_epi8(v, lut);
