@@ -18,6 +18,7 @@ fn main() {
         ],
         fp4_q8: true,
         bf16dot: true,
+        fp8dot: true,
         shapes: bespoke::bench::ShapeSet::Default,
         isas: vec![],
         weight_offset: 0,

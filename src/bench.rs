@@ -26,6 +26,10 @@ pub struct Options {
     /// BF16; shown as format "bf16dot", under the avx512 variant) on every
     /// BF16 case, the rounding of x included, where this CPU has AVX512_BF16.
     pub bf16dot: bool,
+    /// Also time the fp8dot variant (FP8 weights, activations rounded to
+    /// BF16; format "fp8dot", under the avx512 variant) on every FP8 case,
+    /// likewise.
+    pub fp8dot: bool,
     /// Only these ISA variants (all compiled ones this CPU runs if empty).
     pub isas: Vec<crate::plan::Isa>,
     /// The weights start this many bytes past a 64-byte boundary (0..64, a
@@ -88,8 +92,9 @@ enum Act {
     F32,
     /// fp4×q8 (FP4 cases).
     Q8,
-    /// bf16dot (BF16 cases).
-    Bf16Dot,
+    /// bf16dot (BF16 cases) or fp8dot (FP8 cases): activations rounded to
+    /// BF16.
+    Dot,
 }
 
 #[derive(Serialize)]
@@ -652,7 +657,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             crate::kernels::PeakProbe::for_kernels(k.isa(), false).map(|p| (k.isa(), false, p))
         })
         .collect();
-    if opts.bf16dot {
+    if opts.bf16dot || opts.fp8dot {
         let avx512 = crate::plan::Isa::Avx512;
         probes.extend(
             crate::kernels::PeakProbe::for_kernels(avx512, true).map(|p| (avx512, true, p)),
@@ -677,7 +682,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
     let peak_of = |isa: crate::plan::Isa, act: Act, t: usize| -> Option<f64> {
         let dot = match act {
             Act::F32 => false,
-            Act::Bf16Dot => true,
+            Act::Dot => true,
             Act::Q8 => return None,
         };
         roofs
@@ -698,14 +703,17 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                 .map(|(f, r, c, o)| (f, r, c, o, Act::Q8)),
         );
     }
-    if opts.bf16dot {
+    for (on, f) in [(opts.bf16dot, Format::Bf16), (opts.fp8dot, Format::Fp8)] {
+        if !on {
+            continue;
+        }
         match Kernels::bf16dot_available() {
             Ok(()) => all.extend(
-                shape_cases(&opts.shapes, &[Format::Bf16])?
+                shape_cases(&opts.shapes, &[f])?
                     .into_iter()
-                    .map(|(f, r, c, o)| (f, r, c, o, Act::Bf16Dot)),
+                    .map(|(f, r, c, o)| (f, r, c, o, Act::Dot)),
             ),
-            Err(why) => eprintln!("bf16dot not timed: {why}"),
+            Err(why) => eprintln!("{} not timed: {why}", crate::plan::dot_family(f)),
         }
     }
     if all.is_empty() {
@@ -723,7 +731,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
         let label = match act {
             Act::F32 => format.to_string(),
             Act::Q8 => "fp4q8".to_string(),
-            Act::Bf16Dot => "bf16dot".to_string(),
+            Act::Dot => crate::plan::dot_family(format).to_string(),
         };
         let one = make_weights(format, rows, cols, ci as u64 + 1, opts.weight_offset);
         let bytes = matrix(format, rows, cols, &one).bytes();
@@ -740,15 +748,15 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
             .collect();
         for k in &variants {
-            let kinds: Vec<(&str, Kern)> = if act == Act::Bf16Dot {
+            let kinds: Vec<(&str, Kern)> = if act == Act::Dot {
                 // One kernel set, listed under the avx512 variant.
                 if k.isa() != crate::plan::Isa::Avx512 {
                     continue;
                 }
                 [
-                    Kernels::bf16dot_kernel_specialised(rows, cols)
+                    Kernels::bf16dot_kernel_specialised(format, rows, cols)
                         .map(|s| ("specialised", Kern::Bf16Dot(s))),
-                    Kernels::bf16dot_kernel_generic().map(|g| ("generic", Kern::Bf16Dot(g))),
+                    Kernels::bf16dot_kernel_generic(format).map(|g| ("generic", Kern::Bf16Dot(g))),
                 ]
                 .into_iter()
                 .flatten()
@@ -947,11 +955,12 @@ fn print_summary(r: &[KernelResult]) {
         let ratio = generic
             .map(|g| g.median_us / s.median_us)
             .unwrap_or(f64::NAN);
-        // fp4×q8 (bf16dot) next to the same FP4 (BF16) matrix with f32
-        // activations.
+        // fp4×q8 (bf16dot, fp8dot) next to the same FP4 (BF16, FP8) matrix
+        // with f32 activations.
         let base = match s.format.as_str() {
             "fp4q8" => Some("fp4"),
             "bf16dot" => Some("bf16"),
+            "fp8dot" => Some("fp8"),
             _ => None,
         };
         let vs_f32_act = base

@@ -234,6 +234,7 @@ fn compare_e2e(a: &Run, b: &Run, out: &mut String) -> Result<(), String> {
         "kernels",
         "fp4_act",
         "bf16_act",
+        "fp8_act",
         "prompt_len",
         "gen",
     ] {

@@ -57,6 +57,8 @@ pub struct E2eResults {
     pub fp4_act: String,
     /// "f32" or "bf16" (the bf16dot variant).
     pub bf16_act: String,
+    /// "f32" or "bf16" (the fp8dot variant).
+    pub fp8_act: String,
     pub specialised_matrices: (usize, usize),
     pub cpu: String,
     pub llc_bytes: usize,
@@ -192,6 +194,7 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
         kernels: k.isa().name().into(),
         fp4_act: k.fp4_act().name().into(),
         bf16_act: k.bf16_act().name().into(),
+        fp8_act: k.fp8_act().name().into(),
         specialised_matrices: (hit, total),
         cpu: crate::cpu::cpu_name(),
         llc_bytes: llc,

@@ -143,6 +143,26 @@ fn ftz(v: f32) -> f32 {
     }
 }
 
+/// Lane sums `s` of the definition over chunks `ks` (in order): for each
+/// chunk k and lane l, the odd column's product then the even one's, each
+/// added with one rounding and the sum flushed if subnormal. `get(c)` gives
+/// column c's weight and (rounded) activation, both already read as the
+/// instruction reads them.
+fn chunk_sums(s: &mut [f32; 16], ks: std::ops::Range<usize>, get: impl Fn(usize) -> (f32, f32)) {
+    for k in ks {
+        for (l, a) in s.iter_mut().enumerate() {
+            let c0 = CHUNK * k + 2 * l;
+            let (w0, x0) = get(c0);
+            let (w1, x1) = get(c0 + 1);
+            // Each step rounds once, as an FMA does: the product is exact
+            // (VDPBF16PS keeps it whole, even past f32's range), only the
+            // sum is rounded and, if subnormal, flushed.
+            *a = ftz(w1.mul_add(x1, *a));
+            *a = ftz(w0.mul_add(x0, *a));
+        }
+    }
+}
+
 /// One output of the bf16dot definition: row `w` (BF16 bits, `cols` long)
 /// against one token's packed activations `x` (at least cols rounded up to
 /// 32 values, zero past cols).
@@ -159,16 +179,45 @@ pub fn row_dot(w: &[u16], x: &[u16]) -> f32 {
         }
     };
     let mut acc = [0.0f32; 16];
-    for k in 0..cols.div_ceil(CHUNK) {
-        for (l, a) in acc.iter_mut().enumerate() {
-            let c0 = CHUNK * k + 2 * l;
-            let (w0, x0) = get(c0);
-            let (w1, x1) = get(c0 + 1);
-            // Each step rounds once, as an FMA does: the product is exact
-            // (VDPBF16PS keeps it whole, even past f32's range), only the
-            // sum is rounded and, if subnormal, flushed.
-            *a = ftz(w1.mul_add(x1, *a));
-            *a = ftz(w0.mul_add(x0, *a));
+    chunk_sums(&mut acc, 0..cols.div_ceil(CHUNK), get);
+    crate::reference::reduce16(&acc)
+}
+
+/// Columns per FP8 scale block.
+pub const FP8_BLOCK: usize = 128;
+
+/// One output of the fp8dot definition: a row of E4M3 `codes` (`cols`
+/// long) with its UE8M0 scale bytes (one per 128 columns) against one
+/// token's packed activations `x`. Per scale block, lane sums from +0 over
+/// the block's chunks as in [`row_dot`], then acc = fma(sum, scale, acc) per
+/// lane (an ordinary f32 fma); then the 16-lane tree.
+pub fn fp8_row_dot(codes: &[u8], scales: &[u8], x: &[u16]) -> f32 {
+    let cols = codes.len();
+    // Every E4M3 value is a normal BF16 value (or zero, or NaN), so the
+    // instruction reads the weights unflushed.
+    let get = |c: usize| -> (f32, f32) {
+        if c < cols {
+            (
+                formats::e4m3_to_f32(codes[c]),
+                ftz(formats::bf16_to_f32(x[c])),
+            )
+        } else {
+            (0.0, 0.0)
+        }
+    };
+    let chunks = cols.div_ceil(CHUNK);
+    let per_block = FP8_BLOCK / CHUNK;
+    let mut acc = [0.0f32; 16];
+    for (b, &sb) in scales.iter().enumerate().take(cols.div_ceil(FP8_BLOCK)) {
+        let mut s = [0.0f32; 16];
+        chunk_sums(
+            &mut s,
+            b * per_block..((b + 1) * per_block).min(chunks),
+            get,
+        );
+        let sc = formats::e8m0_to_f32(sb);
+        for (a, v) in acc.iter_mut().zip(s) {
+            *a = v.mul_add(sc, *a);
         }
     }
     crate::reference::reduce16(&acc)
@@ -203,6 +252,35 @@ pub fn error_bound(w: &[u16], x: &[f32]) -> f64 {
     round_err
         + (2.0 * chunks + 5.0) * two(-24) * 1.001 * mass_hat
         + 3.0 * w.len() as f64 * two(-126)
+}
+
+/// A bound on |y_fp8dot − Σ w·scale·x| (exact) for one output, from the
+/// row's E4M3 codes and scale bytes and the token's f32 activations (the
+/// terms of [`error_bound`], with each product scaled):
+/// - rounding x to BF16: 2⁻⁹·Σ|w·s·x|, or 2⁻¹²⁶·|w·s| where x is subnormal;
+/// - f32 additions, 2 per chunk per lane, one fma per block and 4 in the
+///   lane tree: (2·chunks + blocks + 5)·2⁻²⁴·Σ|w·s·x̂|;
+/// - every flushed block sum: under 2⁻¹²⁶·s each, 2 per column pair (3
+///   allowed).
+pub fn fp8_error_bound(codes: &[u8], scales: &[u8], x: &[f32]) -> f64 {
+    let two = |e: i32| f64::powi(2.0, e);
+    let chunks = codes.len().div_ceil(CHUNK) as f64;
+    let blocks = codes.len().div_ceil(FP8_BLOCK) as f64;
+    let (mut round_err, mut mass_hat, mut flush) = (0.0f64, 0.0f64, 0.0f64);
+    for (c, (&code, &v)) in codes.iter().zip(x).enumerate() {
+        let s = formats::e8m0_to_f32(scales[c / FP8_BLOCK]) as f64;
+        let wv = formats::e4m3_to_f32(code) as f64 * s;
+        let xv = v as f64;
+        let xh = formats::bf16_to_f32(round(v)) as f64;
+        round_err += if v.is_subnormal() {
+            wv.abs() * two(-126)
+        } else {
+            (wv * xv).abs() * two(-9)
+        };
+        mass_hat += (wv * xh).abs();
+        flush += 3.0 * s * two(-126);
+    }
+    round_err + (2.0 * chunks + blocks + 5.0) * two(-24) * 1.001 * mass_hat + flush
 }
 
 /// A 2×64 BF16 matrix and two tokens of activations ([2][64]) on which the

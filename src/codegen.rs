@@ -178,6 +178,14 @@ fn load_models(root: &Path) -> BuildResult<Vec<plan::ModelConfig>> {
 /// 4096 columns: 175).
 const BF16DOT_TILE: (usize, usize, usize) = (4, 6, 8);
 
+/// The fp8dot kernels' tiles: each (row, token) pair also keeps its scale
+/// block's sum beside its accumulator, so the matmul tile is smaller. On an
+/// Intel Xeon (Emerald Rapids) VM, 1 thread, 128 tokens, Flash shapes
+/// (`bench kernels --formats fp8dot --tokens 128 --quick`, two alternated
+/// rounds), GFLOP/s: 2 × 6 50-56, 2 × 8 52-60, 3 × 6 49-57, 4 × 4 45-55,
+/// 4 × 3 34-46, 8 × 2 26-38; 2 × 6 needs the fewest remainder tiles.
+const FP8DOT_TILE: (usize, usize, usize) = (2, 6, 8);
+
 fn tiles(isa: Isa, f: Format) -> Vec<Tile> {
     let mv = isa.tile(Op::Matvec, f);
     let mm = isa.tile(Op::Matmul, f);
@@ -475,25 +483,30 @@ pub fn build() -> BuildResult<()> {
         "];\n\npub static BF16DOT_KERNELS: &[Bf16DotKernel] = &["
     )
     .unwrap();
-    // bf16dot: AVX-512 BF16 only, its own file and flags (the avx512
-    // variant's plus -mavx512bf16), so no other kernel can use BF16
-    // instructions on a CPU that lacks them.
+    // bf16dot (BF16 weights) and fp8dot (FP8 weights), both with activations
+    // rounded to BF16: AVX-512 BF16 only, their own files and flags (the
+    // avx512 variant's plus -mavx512bf16), so no other kernel can use BF16
+    // instructions on a CPU that lacks them. One template for both.
     let mut bf16dot_fns = Vec::new();
     let mut bf16dot_sources = Vec::new();
-    {
+    for f in [Format::Bf16, Format::Fp8] {
         let compiled = isas.contains(&Isa::Avx512);
-        let generic = plan::bf16dot_symbol(None);
+        let generic = plan::dot_symbol(f, None);
         let shapes: Vec<ShapeSymbol> = the_plan
             .mat_shapes
             .iter()
-            .filter(|s| s.format == Format::Bf16)
+            .filter(|s| s.format == f)
             .map(|s| ShapeSymbol {
                 rows: s.rows,
                 cols: s.cols,
-                symbol: plan::bf16dot_symbol(Some(s)),
+                symbol: plan::dot_symbol(f, Some(s)),
             })
             .collect();
-        let (mr, nr, mv) = BF16DOT_TILE;
+        let (mr, nr, mv) = if f == Format::Fp8 {
+            FP8DOT_TILE
+        } else {
+            BF16DOT_TILE
+        };
         // The main tile, narrower ones for the last n mod nr tokens (2..nr-1),
         // and the one-token (matvec) tile; each with its one-row form.
         let rest_tiles: Vec<usize> = (2..nr).collect();
@@ -506,8 +519,11 @@ pub fn build() -> BuildResult<()> {
                 tiles.push(t);
             }
         }
+        let family = plan::dot_family(f);
         let mut ctx = tera::Context::new();
         ctx.insert("isa", &Isa::Avx512.desc());
+        ctx.insert("fmt", f.name());
+        ctx.insert("family", family);
         ctx.insert("mr", &mr);
         ctx.insert("nr", &nr);
         ctx.insert("mv", &mv);
@@ -515,14 +531,14 @@ pub fn build() -> BuildResult<()> {
         ctx.insert("rest_tiles", &rest_tiles);
         ctx.insert("generic", &generic);
         ctx.insert("shapes", &shapes);
-        let path = gen.join("bf16dot_avx512.c");
+        let path = gen.join(format!("{family}_avx512.c"));
         write_if_changed(&path, &render("bf16dot.c.tera", &ctx)?)?;
         if compiled {
             bf16dot_sources.push(path);
             table_rows(
                 &mut table,
                 &mut bf16dot_fns,
-                "Bf16DotKernel { ",
+                &format!("Bf16DotKernel {{ format: Format::{f:?}, "),
                 "bf16dot",
                 generic,
                 &shapes,

@@ -124,6 +124,9 @@ fn banner(m: &ModelDir, k: &Kernels, reason: &str, ctx: usize) {
             "bf16dot: BF16 products use BF16 activations (--bf16-act bf16): faster prefill, not token-exact"
         );
     }
+    if k.fp8_act() == crate::bf16act::Bf16Act::Bf16 && has_format(m, "FP8") {
+        eprintln!("fp8dot: FP8 products use BF16 activations (--fp8-act bf16): not token-exact");
+    }
 }
 
 /// `--numerics`: see [`crate::engine::dsv4::Numerics`].
@@ -159,6 +162,15 @@ pub struct NumericsArgs {
     /// later, Cooper Lake, Sapphire Rapids and later).
     #[arg(long, value_name = "ACT", value_enum, default_value_t = crate::bf16act::Bf16Act::F32)]
     pub bf16_act: crate::bf16act::Bf16Act,
+    /// How FP8 weights (DeepSeek V4's dense matrices) meet their
+    /// activations. `f32` (default): exact f32 products, bit-identical to the
+    /// scalar reference. `bf16`: the fp8dot kernels — each E4M3 weight is
+    /// exactly a BF16 value, the activations are rounded to BF16, VDPBF16PS
+    /// pair products per 128-column scale block; not token-exact (definition
+    /// and error bound in src/bf16act.rs, tested). Needs AVX512_BF16, as
+    /// `--bf16-act bf16` does.
+    #[arg(long, value_name = "ACT", value_enum, default_value_t = crate::bf16act::Bf16Act::F32)]
+    pub fp8_act: crate::bf16act::Bf16Act,
     /// `cuda` builds with a GPU: the VRAM budget in GiB for the weights put
     /// on the GPU (dense matrices first, then the most used routed experts of
     /// each layer, counted in <model>/.bespoke/expert-usage.json). Default:
@@ -187,6 +199,7 @@ pub fn save_usage(m: &ModelDir, eng: &AnyModel) {
 pub fn numerics_kernels(k: Kernels, num: &NumericsArgs) -> Result<Kernels, String> {
     k.with_fp4_act(num.fp4_act)
         .with_bf16_act(num.bf16_act)
+        .and_then(|k| k.with_fp8_act(num.fp8_act))
         .map_err(|e| e.to_string())
 }
 
@@ -202,6 +215,9 @@ pub fn engine<'m>(m: &'m ModelDir, k: Kernels, num: NumericsArgs) -> Result<AnyM
     let k = numerics_kernels(k, &num)?;
     if num.fp4_act == crate::q8::Fp4Act::Q8 && !has_format(m, "FP4") {
         eprintln!("note: --fp4-act q8 changes nothing here: this model has no FP4 weights");
+    }
+    if num.fp8_act == crate::bf16act::Bf16Act::Bf16 && !has_format(m, "FP8") {
+        eprintln!("note: --fp8-act bf16 changes nothing here: this model has no FP8 weights");
     }
     if num.bf16_act == crate::bf16act::Bf16Act::Bf16 && !has_format(m, "BF16") {
         eprintln!("note: --bf16-act bf16 changes nothing here: this model has no BF16 weights");
@@ -424,6 +440,7 @@ pub fn run(a: RunArgs) -> Result<(), String> {
             "kernels": k.isa().name(),
             "fp4_act": k.fp4_act().name(),
             "bf16_act": k.bf16_act().name(),
+            "fp8_act": k.fp8_act().name(),
             "timings": t,
         });
         println!("{v}");
@@ -510,7 +527,7 @@ pub fn score(a: ScoreArgs) -> Result<(), String> {
     let am: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();
     let last = &logits[logits.len() - vocab..];
     if a.json {
-        let mut v = json!({"ids": ids, "argmax": am, "kernels": k.isa().name(), "fp4_act": k.fp4_act().name(), "bf16_act": k.bf16_act().name()});
+        let mut v = json!({"ids": ids, "argmax": am, "kernels": k.isa().name(), "fp4_act": k.fp4_act().name(), "bf16_act": k.bf16_act().name(), "fp8_act": k.fp8_act().name()});
         if a.logits.is_some() {
             v["last_logits"] = json!(last);
         }

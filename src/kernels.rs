@@ -92,7 +92,8 @@ pub struct Q8Kernel {
 }
 
 pub type Bf16DotFn = unsafe extern "C" fn(
-    *const u16,
+    *const c_void,
+    *const u8,
     *const u16,
     usize,
     *mut f32,
@@ -107,6 +108,8 @@ pub type Bf16DotFn = unsafe extern "C" fn(
 /// src/bf16act.rs; AVX-512 BF16), specialised on `shape` = (rows, cols) or
 /// generic.
 pub struct Bf16DotKernel {
+    /// The weights' format: BF16 (bf16dot) or FP8 (fp8dot).
+    pub format: Format,
     pub shape: Option<(usize, usize)>,
     pub f: Bf16DotFn,
 }
@@ -205,6 +208,8 @@ pub enum KernelError {
     },
     #[error("--bf16-act bf16 needs the bf16dot kernels: {0}; run without it (f32 activations, the default)")]
     NoBf16Dot(String),
+    #[error("--fp8-act bf16 needs the fp8dot kernels: {0}; run without it (f32 activations, the default)")]
+    NoFp8Dot(String),
     #[error("BESPOKE_SPECIALISED={0:?}: expected `on` (the default: a matrix gets the kernel this build specialised for its shape, if any) or `off` (generic kernels only)")]
     BadSpecialised(String),
 }
@@ -377,6 +382,8 @@ pub struct Kernels {
     isa: Isa,
     fp4_act: Fp4Act,
     bf16_act: Bf16Act,
+    /// How FP8 matrices meet their activations (`Bf16`: the fp8dot kernels).
+    fp8_act: Bf16Act,
     /// The VRAM tier these kernels send resident matrices to (0: none; see
     /// [`crate::gpu::tier`]).
     tier: u32,
@@ -436,6 +443,7 @@ impl Kernels {
             isa,
             fp4_act: Fp4Act::F32,
             bf16_act: Bf16Act::F32,
+            fp8_act: Bf16Act::F32,
             tier: 0,
             specialised: true,
         })
@@ -453,6 +461,7 @@ impl Kernels {
             isa,
             fp4_act: Fp4Act::F32,
             bf16_act: Bf16Act::F32,
+            fp8_act: Bf16Act::F32,
             tier: 0,
             specialised: true,
         }
@@ -548,6 +557,22 @@ impl Kernels {
         self.bf16_act
     }
 
+    /// These kernels with FP8 matrices multiplied as `act` says; `Bf16`
+    /// needs the fp8dot kernels (AVX-512 BF16, as bf16dot).
+    pub fn with_fp8_act(self, act: Bf16Act) -> Result<Kernels, KernelError> {
+        if act == Bf16Act::Bf16 {
+            Self::bf16dot_available().map_err(KernelError::NoFp8Dot)?;
+        }
+        Ok(Kernels {
+            fp8_act: act,
+            ..self
+        })
+    }
+
+    pub fn fp8_act(&self) -> Bf16Act {
+        self.fp8_act
+    }
+
     /// Whether this binary has bf16dot kernels and this CPU can run them
     /// (the avx512 variant's features and AVX512_BF16); if not, why.
     pub fn bf16dot_available() -> Result<(), String> {
@@ -574,27 +599,40 @@ impl Kernels {
             .clone()
     }
 
-    /// The bf16dot kernel for a shape: specialised when the build made one
-    /// (and these kernels use specialised ones).
-    pub fn bf16dot_kernel(&self, rows: usize, cols: usize) -> Option<&'static Bf16DotKernel> {
+    /// The bf16dot (BF16 `format`) or fp8dot (FP8) kernel for a shape:
+    /// specialised when the build made one (and these kernels use
+    /// specialised ones).
+    pub fn bf16dot_kernel(
+        &self,
+        format: Format,
+        rows: usize,
+        cols: usize,
+    ) -> Option<&'static Bf16DotKernel> {
         self.specialised
-            .then(|| Self::bf16dot_kernel_specialised(rows, cols))
+            .then(|| Self::bf16dot_kernel_specialised(format, rows, cols))
             .flatten()
-            .or_else(Self::bf16dot_kernel_generic)
+            .or_else(|| Self::bf16dot_kernel_generic(format))
     }
 
-    pub fn bf16dot_kernel_specialised(rows: usize, cols: usize) -> Option<&'static Bf16DotKernel> {
+    pub fn bf16dot_kernel_specialised(
+        format: Format,
+        rows: usize,
+        cols: usize,
+    ) -> Option<&'static Bf16DotKernel> {
         BF16DOT_KERNELS
             .iter()
-            .find(|k| k.shape == Some((rows, cols)))
+            .find(|k| k.format == format && k.shape == Some((rows, cols)))
     }
 
-    pub fn bf16dot_kernel_generic() -> Option<&'static Bf16DotKernel> {
-        BF16DOT_KERNELS.iter().find(|k| k.shape.is_none())
+    pub fn bf16dot_kernel_generic(format: Format) -> Option<&'static Bf16DotKernel> {
+        BF16DOT_KERNELS
+            .iter()
+            .find(|k| k.format == format && k.shape.is_none())
     }
 
-    /// Y = W X for BF16 W and packed BF16 activations, with a given bf16dot
-    /// kernel (X's n tokens at once), rows split across threads.
+    /// Y = W X for BF16 (or FP8) W and packed BF16 activations, with a given
+    /// bf16dot (fp8dot) kernel (X's n tokens at once), rows split across
+    /// threads.
     pub fn matmul_bf16dot_with(
         &self,
         k: &Bf16DotKernel,
@@ -637,58 +675,80 @@ impl Kernels {
         x: &Bf16X,
         y: &mut [f32],
     ) -> Result<impl Fn(usize, usize) + Sync + Send + Copy, KernelError> {
-        Self::bf16dot_available().map_err(KernelError::NoBf16Dot)?;
-        let Weights::Bf16(w) = m.weights else {
-            return Err(KernelError::Shape(format!(
-                "the bf16dot kernels take BF16 weights, not {}",
-                m.format()
-            )));
+        let family = crate::plan::dot_family(k.format);
+        Self::bf16dot_available().map_err(|why| match k.format {
+            Format::Fp8 => KernelError::NoFp8Dot(why),
+            _ => KernelError::NoBf16Dot(why),
+        })?;
+        let (w, s) = match (k.format, &m.weights) {
+            (Format::Bf16, Weights::Bf16(w)) => (w.as_ptr().cast::<c_void>(), std::ptr::null()),
+            (Format::Fp8, Weights::Fp8 { w, scale }) => (w.as_ptr().cast(), scale.as_ptr()),
+            _ => {
+                return Err(KernelError::Shape(format!(
+                    "the {family} kernels take {} weights, not {}",
+                    k.format,
+                    m.format()
+                )))
+            }
         };
         if let Some((r, c)) = k.shape {
             if (r, c) != (m.rows, m.cols) {
                 return Err(KernelError::Shape(format!(
-                    "bf16dot kernel specialised for {r}×{c} used on a {}×{} matrix",
+                    "{family} kernel specialised for {r}×{c} used on a {}×{} matrix",
                     m.rows, m.cols
                 )));
             }
         }
         if x.cols != m.cols {
             return Err(KernelError::Shape(format!(
-                "bf16dot activations of {} columns against a {}×{} matrix",
+                "{family} activations of {} columns against a {}×{} matrix",
                 x.cols, m.rows, m.cols
             )));
         }
         let (n, xs) = (x.n, x.stride());
-        check_len(&format!("bf16dot input X [{n}, {xs}]"), n * xs, x.h.len())?;
+        check_len(&format!("{family} input X [{n}, {xs}]"), n * xs, x.h.len())?;
         check_len(
             &format!("matmul output Y [{n}, {}]", m.rows),
             n * m.rows,
             y.len(),
         )?;
         let (rows, cols) = (m.rows, m.cols);
-        let (wp, xp, yp) = (
-            SendPtr(w.as_ptr()),
+        let (wp, sp, xp, yp) = (
+            SendPtr(w),
+            SendPtr(s),
             SendPtr(x.h.as_ptr()),
             SendPtr(y.as_mut_ptr()),
         );
         let f = k.f;
         Ok(move |r0: usize, r1: usize| {
-            let (wp, xp, yp) = (wp, xp, yp);
+            let (wp, sp, xp, yp) = (wp, sp, xp, yp);
             if n == 0 || r0 >= r1 {
                 return;
             }
             // SAFETY: bf16dot_available checked that this CPU has every
-            // feature the kernel was compiled for; Matrix::new checked that
-            // w holds rows×cols values; x holds n rows of xs >= cols rounded
-            // up to 32 values (Bf16X::pack_from, checked above) and y n×rows;
-            // the kernel's shape matches; the callers pass 0 <= r0 <= r1 <=
-            // rows, and concurrent calls write disjoint rows of every token's
-            // output.
-            unsafe { f(wp.0, xp.0, xs, yp.0, rows, cols, n, r0, r1) }
+            // feature the kernel was compiled for; the kernel's format is the
+            // matrix's, and Matrix::new checked that w holds rows×cols values
+            // (and, FP8, the scales ceil(rows/128)×ceil(cols/128) bytes; BF16
+            // kernels never read s); x holds n rows of xs >= cols rounded up
+            // to 32, plus 32, values (Bf16X::pack_from, checked above) and y
+            // n×rows; the kernel's shape matches; the callers pass 0 <= r0 <=
+            // r1 <= rows, and concurrent calls write disjoint rows of every
+            // token's output.
+            unsafe { f(wp.0, sp.0, xp.0, xs, yp.0, rows, cols, n, r0, r1) }
         })
     }
 
-    /// Y = W X through the bf16dot kernels (X rounded to BF16 here).
+    /// Whether products on `format` weights take activations rounded to
+    /// BF16 (the bf16dot or fp8dot kernels).
+    fn dot_act(&self, format: Format) -> bool {
+        match format {
+            Format::Bf16 => self.bf16_act == Bf16Act::Bf16,
+            Format::Fp8 => self.fp8_act == Bf16Act::Bf16,
+            _ => false,
+        }
+    }
+
+    /// Y = W X through the bf16dot or fp8dot kernels (X rounded to BF16 here).
     fn matmul_bf16dot(
         &self,
         m: &Matrix,
@@ -697,8 +757,11 @@ impl Kernels {
         y: &mut [f32],
     ) -> Result<(), KernelError> {
         let k = self
-            .bf16dot_kernel(m.rows, m.cols)
-            .ok_or_else(|| KernelError::NoBf16Dot("this build has none".into()))?;
+            .bf16dot_kernel(m.format(), m.rows, m.cols)
+            .ok_or_else(|| match m.format() {
+                Format::Fp8 => KernelError::NoFp8Dot("this build has none".into()),
+                _ => KernelError::NoBf16Dot("this build has none".into()),
+            })?;
         // One buffer per thread, reused across calls.
         thread_local! {
             static ACT: std::cell::RefCell<Bf16X> = std::cell::RefCell::new(Bf16X::default());
@@ -919,7 +982,7 @@ impl Kernels {
         if self.fp4_act == Fp4Act::Q8 && m.format() == Format::Fp4 {
             return self.matmul_q8(m, x, 1, y);
         }
-        if self.bf16_act == Bf16Act::Bf16 && m.format() == Format::Bf16 {
+        if self.dot_act(m.format()) {
             return self.matmul_bf16dot(m, x, 1, y);
         }
         self.matvec_with(self.mat_kernel(m.format(), m.rows, m.cols), m, x, y)
@@ -940,7 +1003,7 @@ impl Kernels {
         if self.fp4_act == Fp4Act::Q8 && m.format() == Format::Fp4 {
             return self.matmul_q8(m, x, n, y);
         }
-        if self.bf16_act == Bf16Act::Bf16 && m.format() == Format::Bf16 {
+        if self.dot_act(m.format()) {
             return self.matmul_bf16dot(m, x, n, y);
         }
         self.matmul_with(self.mat_kernel(m.format(), m.rows, m.cols), m, x, n, y)
@@ -1278,6 +1341,9 @@ impl fmt::Display for Kernels {
         }
         if self.bf16_act == Bf16Act::Bf16 {
             write!(f, " (BF16 with BF16 activations: bf16dot)")?;
+        }
+        if self.fp8_act == Bf16Act::Bf16 {
+            write!(f, " (FP8 with BF16 activations: fp8dot)")?;
         }
         Ok(())
     }

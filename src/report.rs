@@ -97,16 +97,27 @@ pub fn variants_report(
         "(BESPOKE_KERNELS=scalar|avx2|avx512|neon|neon_base forces one variant)"
     )
     .unwrap();
-    let bd = kernels::BF16DOT_KERNELS;
-    if !bd.is_empty() {
-        let shapes = bd.iter().filter(|k| k.shape.is_some()).count();
-        let status = match kernels::Kernels::bf16dot_available() {
-            Ok(()) => "runnable".to_string(),
-            Err(why) => format!("not runnable: {why}"),
-        };
+    let status = match kernels::Kernels::bf16dot_available() {
+        Ok(()) => "runnable".to_string(),
+        Err(why) => format!("not runnable: {why}"),
+    };
+    for (format, flag) in [
+        (crate::plan::Format::Bf16, "--bf16-act bf16"),
+        (crate::plan::Format::Fp8, "--fp8-act bf16"),
+    ] {
+        let ks: Vec<_> = kernels::BF16DOT_KERNELS
+            .iter()
+            .filter(|k| k.format == format)
+            .collect();
+        if ks.is_empty() {
+            continue;
+        }
+        let shapes = ks.iter().filter(|k| k.shape.is_some()).count();
         writeln!(
             out,
-            "bf16dot (--bf16-act bf16: BF16 weights, BF16 activations; needs the avx512 features + avx512bf16): generic + {shapes} specialised, {status}"
+            "{} ({flag}: {} weights, BF16 activations; needs the avx512 features + avx512bf16): generic + {shapes} specialised, {status}",
+            crate::plan::dot_family(format),
+            format.name().to_uppercase()
         )
         .unwrap();
     }

@@ -44,6 +44,15 @@ fn plan_shows_build_variants_and_dispatch() {
     ] {
         assert!(out.contains(needle), "missing {needle:?} in:\n{out}");
     }
+    // The BF16-activation kernels, one line per weight format, where built.
+    if !bespoke::kernels::BF16DOT_KERNELS.is_empty() {
+        for needle in [
+            "bf16dot (--bf16-act bf16: BF16 weights",
+            "fp8dot (--fp8-act bf16: FP8 weights",
+        ] {
+            assert!(out.contains(needle), "missing {needle:?} in:\n{out}");
+        }
+    }
 }
 
 /// The CUDA side of `plan`: in a `cuda` build with a toolkit, the archs and
@@ -711,6 +720,86 @@ fn fp4_act_q8_flag() {
     );
     let (ok, _, err) = run(&["run", "--fp4-act", "q4"]);
     assert!(!ok && err.contains("q8"), "{err}");
+}
+
+/// `--fp8-act bf16` (the fp8dot kernels for DeepSeek V4's FP8 dense
+/// matrices) runs where the CPU has AVX512_BF16, says so, changes the logits
+/// a little (BF16 activations) — less than DeepSeek's FP8 activations do —
+/// and is a no-op, with a note, on a model without FP8 weights; where it
+/// cannot run it is a clear error.
+#[test]
+fn fp8_act_flag() {
+    let (_, ids) = ref_prompt("tiny-dsv4", 1);
+    let score = |extra: &[&str]| {
+        let mut a = vec![
+            "score",
+            "--model",
+            "fixtures/tiny-dsv4",
+            "--ids",
+            &ids,
+            "--json",
+            "--logits",
+            "last",
+        ];
+        a.extend_from_slice(extra);
+        run(&a)
+    };
+    let parse = |out: &str| -> (serde_json::Value, Vec<f64>) {
+        let v: serde_json::Value = serde_json::from_str(out).unwrap();
+        let logits = v["last_logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        (v, logits)
+    };
+    let (ok, out, err) = score(&["--fp8-act", "bf16"]);
+    if let Err(why) = bespoke::kernels::Kernels::bf16dot_available() {
+        assert!(
+            !ok && err.contains("--fp8-act bf16 needs the fp8dot kernels") && err.contains(&why),
+            "{err}"
+        );
+        eprintln!("fp8dot not available here ({why}): checked the error");
+        return;
+    }
+    assert!(ok, "{err}");
+    let (v16, l16) = parse(&out);
+    let (ok, out, err) = score(&[]);
+    assert!(ok, "{err}");
+    let (v32, l32) = parse(&out);
+    let (ok, out, err) = score(&["--numerics", "deepseek"]);
+    assert!(ok, "{err}");
+    let (_, lds) = parse(&out);
+    assert_eq!(v32["fp8_act"], "f32");
+    assert_eq!(v16["fp8_act"], "bf16");
+    let dist = |a: &[f64], b: &[f64]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max)
+    };
+    assert!(l16.iter().all(|x| x.is_finite()));
+    let (d16, dds) = (dist(&l32, &l16), dist(&l32, &lds));
+    assert!(d16 > 0.0, "BF16 activations changed nothing");
+    assert!(
+        d16 < dds,
+        "fp8dot moved the logits by {d16}, FP8 activations by {dds}"
+    );
+    let (ok, _, err) = run(&words(
+        "run --model fixtures/tiny-dsv4 --fp8-act bf16 --max-new-tokens 2",
+    ));
+    assert!(
+        ok && err.contains("fp8dot") && err.contains("not token-exact"),
+        "{err}"
+    );
+    let (ok, _, err) = run(&words(
+        "run --model fixtures/tiny-llama --fp8-act bf16 --max-new-tokens 2",
+    ));
+    assert!(
+        ok && err.contains("changes nothing") && !err.contains("fp8dot:"),
+        "{err}"
+    );
 }
 
 /// `--bf16-act bf16` (the bf16dot kernels for BF16 matrices) runs where the

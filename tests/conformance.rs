@@ -911,26 +911,40 @@ fn bf16dot_runs() -> bool {
     }
 }
 
-/// bf16dot of one matrix against n tokens, generic and specialised, against
-/// its Rust definition bit for bit (NaN = NaN); also through the engine's
-/// path (matvec and matmul with BF16 activations). Returns the outputs.
+/// Row r of a BF16 or FP8 matrix against one token's packed BF16
+/// activations, by the bf16dot / fp8dot definition (src/bf16act.rs).
+fn dot_reference(o: &Owned, r: usize, x: &[u16]) -> f32 {
+    let cols = o.cols;
+    match o.format {
+        Format::Bf16 => bf16act::row_dot(&o.h[r * cols..(r + 1) * cols], x),
+        Format::Fp8 => {
+            let nb = cols.div_ceil(128);
+            let srow = (r / 128) * nb;
+            bf16act::fp8_row_dot(&o.b[r * cols..(r + 1) * cols], &o.s[srow..srow + nb], x)
+        }
+        f => panic!("no BF16-activation kernels for {f}"),
+    }
+}
+
+/// bf16dot (BF16 weights) or fp8dot (FP8) of one matrix against n tokens,
+/// generic and specialised, against its Rust definition bit for bit (NaN =
+/// NaN); also through the engine's path (matvec and matmul with BF16
+/// activations). Returns the outputs.
 fn check_bf16dot(o: &Owned, x: &[f32], n: usize) -> Vec<f32> {
-    let (rows, cols) = (o.rows, o.cols);
+    let (rows, cols, format) = (o.rows, o.cols, o.format);
+    let family = bespoke::plan::dot_family(format);
     let m = o.matrix();
     let a = Bf16X::pack(x, n, cols).unwrap();
     let xs = a.stride();
     let mut want = vec![0f32; n * rows];
     for j in 0..n {
         for r in 0..rows {
-            want[j * rows + r] = bf16act::row_dot(
-                &o.h[r * cols..(r + 1) * cols],
-                &a.bits()[j * xs..(j + 1) * xs],
-            );
+            want[j * rows + r] = dot_reference(o, r, &a.bits()[j * xs..(j + 1) * xs]);
         }
     }
     let k = Kernels::best();
-    let mut kernels = vec![("generic", Kernels::bf16dot_kernel_generic().unwrap())];
-    if let Some(s) = Kernels::bf16dot_kernel_specialised(rows, cols) {
+    let mut kernels = vec![("generic", Kernels::bf16dot_kernel_generic(format).unwrap())];
+    if let Some(s) = Kernels::bf16dot_kernel_specialised(format, rows, cols) {
         kernels.push(("specialised", s));
     }
     for (kind, kern) in kernels {
@@ -938,7 +952,7 @@ fn check_bf16dot(o: &Owned, x: &[f32], n: usize) -> Vec<f32> {
         k.matmul_bf16dot_with(kern, &m, &a, &mut y).unwrap();
         if let Some((i, p, q)) = first_diff(&y, &want) {
             panic!(
-                "bf16dot {kind} {rows}x{cols} n={n}: token {} row {}: kernel {p:e} ({:#x}), reference {q:e} ({:#x})",
+                "{family} {kind} {rows}x{cols} n={n}: token {} row {}: kernel {p:e} ({:#x}), reference {q:e} ({:#x})",
                 i / rows,
                 i % rows,
                 p.to_bits(),
@@ -946,15 +960,19 @@ fn check_bf16dot(o: &Owned, x: &[f32], n: usize) -> Vec<f32> {
             );
         }
     }
-    let kb = k.with_bf16_act(Bf16Act::Bf16).unwrap();
+    let kb = match format {
+        Format::Fp8 => k.with_fp8_act(Bf16Act::Bf16),
+        _ => k.with_bf16_act(Bf16Act::Bf16),
+    }
+    .unwrap();
     let mut y = vec![f32::NAN; n * rows];
     kb.matmul(&m, x, n, &mut y).unwrap();
-    assert!(first_diff(&y, &want).is_none(), "bf16dot via matmul");
+    assert!(first_diff(&y, &want).is_none(), "{family} via matmul");
     let mut y1 = vec![f32::NAN; rows];
     kb.matvec(&m, &x[..cols], &mut y1).unwrap();
     assert!(
         first_diff(&y1, &want[..rows]).is_none(),
-        "bf16dot via matvec"
+        "{family} via matvec"
     );
     want
 }
@@ -1020,8 +1038,8 @@ fn bf16dot_matches_its_reference() {
             .map(|j| bf16act::row_dot(&one.h, &a.bits()[j * xs..(j + 1) * xs]))
             .collect();
         note_finite(&format!("bf16dot {rows}x{cols} tiled row"), &wants, cols);
-        let spec = Kernels::bf16dot_kernel_specialised(rows, cols).unwrap();
-        let generic = Kernels::bf16dot_kernel_generic().unwrap();
+        let spec = Kernels::bf16dot_kernel_specialised(Format::Bf16, rows, cols).unwrap();
+        let generic = Kernels::bf16dot_kernel_generic(Format::Bf16).unwrap();
         for (r0, r1) in [(0, 9), (mid, (mid + 21).min(rows)), (rows - 5, rows)] {
             for kern in [spec, generic] {
                 let mut y = vec![0f32; n * rows];
@@ -1056,6 +1074,7 @@ fn bf16dot_matches_its_reference() {
     assert_eq!((y[0], y[3]), (f32::MIN_POSITIVE, 1.0));
     let names: Vec<String> = BF16DOT_KERNELS
         .iter()
+        .filter(|k| k.format == Format::Bf16)
         .map(|k| {
             k.shape
                 .map(|(r, c)| format!("{r}x{c}"))
@@ -1111,6 +1130,169 @@ fn bf16dot_error_bound() {
     // The rounding of x (up to 2^-9 of each term) must show.
     assert!(worst > 1e-5, "bf16dot error suspiciously small: {worst:e}");
     eprintln!("bf16dot: worst |y_bf16dot - y_exact| / sum|w x| = {worst:.2e}");
+}
+
+#[test]
+fn fp8dot_matches_its_reference() {
+    let _tally = FiniteTally::start();
+    if !bf16dot_runs() {
+        return;
+    }
+    let mut rng = Rng(15);
+    let mut shapes = awkward_shapes(Format::Fp8);
+    // chunk and half tails (1, 31, 32, 33, 63 columns past a 64-column
+    // load), partial scale blocks, rows across 128-row scale blocks, row
+    // tiles of 8 and 4 with rows left over, rows past one 128 KiB block
+    shapes.extend([
+        (8, 32),
+        (9, 33),
+        (4, 64),
+        (11, 65),
+        (5, 127),
+        (12, 191),
+        (3, 255),
+        (140, 288),
+        (2, 4096 + 31),
+        (260, 512),
+        (6, 1056),
+        (45, 4160),
+    ]);
+    let (small, big): (Vec<_>, Vec<_>) = specialised_shapes(Format::Fp8)
+        .into_iter()
+        .partition(|&(r, c)| r * c <= 1 << 20);
+    shapes.extend(small);
+    for &(rows, cols) in &shapes {
+        let o = Owned::random(&mut rng, Format::Fp8, rows, cols);
+        // 1: the matvec tile; 2..7, 13: the 2 x 6 tile and its rests
+        for n in [1, 2, 3, 4, 5, 7, 13] {
+            let mut x = rng.activations(n * cols);
+            if cols >= 96 && n == 4 {
+                x[cols + 40] = f32::INFINITY;
+                x[2 * cols - 1] = f32::NAN;
+            }
+            let y = check_bf16dot(&o, &x, n);
+            note_finite(
+                &format!("fp8dot {rows}x{cols} n={n} token 0"),
+                &y[..rows],
+                cols,
+            );
+            if cols >= 96 && n == 4 {
+                assert!(y[rows..2 * rows].iter().all(|v| v.is_nan()));
+            }
+        }
+    }
+    // Planted extremes in every row block: NaN codes, NaN / 2^127 / 2^-127
+    // scales, the largest and the subnormal codes, f32::MAX activations.
+    let (rows, cols) = (260, 512);
+    let mut o = Owned::random(&mut rng, Format::Fp8, rows, cols);
+    let nb = cols.div_ceil(128);
+    o.b[3 * cols + 5] = 0x7F; // NaN code: row 3 is NaN
+    o.s[nb + 1] = 0xFF; // NaN scale: rows 128..255 are NaN
+    o.s[2 * nb] = 254;
+    o.s[2 * nb + 2] = 0;
+    for c in 0..cols {
+        o.b[257 * cols + c] = if c % 2 == 0 { 0x7E } else { 0x01 }; // 448, 2^-9
+    }
+    let mut x = rng.activations(2 * cols);
+    x[cols + 7] = f32::MAX;
+    let y = check_bf16dot(&o, &x, 2);
+    assert!(y[3].is_nan() && y[128..256].iter().all(|v| v.is_nan()));
+    assert!(y[..3].iter().chain(&y[256..rows]).any(|v| v.is_finite()));
+    // Bigger specialised shapes: one random row (and its scales) tiled over
+    // the matrix, row ranges at the start, an unaligned middle and the end.
+    let k = Kernels::best();
+    for &(rows, cols) in &big {
+        let one = Owned::random(&mut rng, Format::Fp8, 1, cols);
+        let w = one.b.repeat(rows);
+        let s = one.s.repeat(rows.div_ceil(128));
+        let m = Matrix::new(rows, cols, Weights::Fp8 { w: &w, scale: &s }).unwrap();
+        let n = 5;
+        let x = rng.activations(n * cols);
+        let a = Bf16X::pack(&x, n, cols).unwrap();
+        let xs = a.stride();
+        let wants: Vec<f32> = (0..n)
+            .map(|j| dot_reference(&one, 0, &a.bits()[j * xs..(j + 1) * xs]))
+            .collect();
+        note_finite(&format!("fp8dot {rows}x{cols} tiled row"), &wants, cols);
+        let spec = Kernels::bf16dot_kernel_specialised(Format::Fp8, rows, cols).unwrap();
+        let generic = Kernels::bf16dot_kernel_generic(Format::Fp8).unwrap();
+        let mid = rows / 2 + 7;
+        for (r0, r1) in [(0, 9), (mid, (mid + 21).min(rows)), (rows - 5, rows)] {
+            for kern in [spec, generic] {
+                let mut y = vec![0f32; n * rows];
+                k.matmul_bf16dot_rows_with(kern, &m, &a, &mut y, r0, r1)
+                    .unwrap();
+                for (j, want) in wants.iter().enumerate() {
+                    for r in r0..r1 {
+                        assert!(
+                            common::same(y[j * rows + r], *want),
+                            "fp8dot {rows}x{cols} token {j} row {r}: {} vs reference {want}",
+                            y[j * rows + r]
+                        );
+                    }
+                }
+            }
+        }
+    }
+    let names: Vec<String> = BF16DOT_KERNELS
+        .iter()
+        .filter(|k| k.format == Format::Fp8)
+        .map(|k| {
+            k.shape
+                .map(|(r, c)| format!("{r}x{c}"))
+                .unwrap_or_else(|| "generic".into())
+        })
+        .collect();
+    eprintln!("fp8dot kernels checked: {}", names.join(", "));
+}
+
+/// The fp8dot variant stays within its stated error bound of the exact
+/// products, and the rounding of x shows.
+#[test]
+fn fp8dot_error_bound() {
+    if !bf16dot_runs() {
+        return;
+    }
+    let mut rng = Rng(16);
+    let k = Kernels::best().with_fp8_act(Bf16Act::Bf16).unwrap();
+    let mut worst = 0.0f64;
+    for &(rows, cols, n) in &[(64usize, 2048usize, 3usize), (37, 200, 7), (130, 4096, 1)] {
+        let w: Vec<u8> = (0..rows * cols)
+            .map(|_| bespoke::formats::f32_to_e4m3(rng.unit() * 300.0))
+            .collect();
+        let s: Vec<u8> = (0..rows.div_ceil(128) * cols.div_ceil(128))
+            .map(|_| 115 + rng.below(10) as u8)
+            .collect();
+        let m = Matrix::new(rows, cols, Weights::Fp8 { w: &w, scale: &s }).unwrap();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.unit() * 3.0).collect();
+        let mut y = vec![0f32; n * rows];
+        k.matmul(&m, &x, n, &mut y).unwrap();
+        let nb = cols.div_ceil(128);
+        for j in 0..n {
+            let xt = &x[j * cols..(j + 1) * cols];
+            for r in 0..rows {
+                let wr = &w[r * cols..(r + 1) * cols];
+                let sr = &s[(r / 128) * nb..(r / 128 + 1) * nb];
+                let term = |c: usize| {
+                    bespoke::formats::e4m3_to_f32(wr[c]) as f64
+                        * bespoke::formats::e8m0_to_f32(sr[c / 128]) as f64
+                        * xt[c] as f64
+                };
+                let exact: f64 = (0..cols).map(term).sum();
+                let mag: f64 = (0..cols).map(|c| term(c).abs()).sum();
+                let bound = bf16act::fp8_error_bound(wr, sr, xt);
+                let err = (y[j * rows + r] as f64 - exact).abs();
+                assert!(
+                    err <= bound,
+                    "{rows}x{cols} token {j} row {r}: |{} - {exact}| = {err:e} > bound {bound:e}",
+                    y[j * rows + r]
+                );
+                worst = worst.max(err / mag);
+            }
+        }
+    }
+    assert!(worst > 1e-5, "fp8dot error suspiciously small: {worst:e}");
+    eprintln!("fp8dot: worst |y_fp8dot - y_exact| / sum|w x| = {worst:.2e}");
 }
 
 /// Prints which variants were compiled and which ran (CI shows this).

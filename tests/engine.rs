@@ -130,8 +130,8 @@ fn real_checkpoint_is_coherent() {
 /// `BESPOKE_SPECIALISED=off` / `bench e2e --vs-generic`: the generic
 /// kernels give the specialised ones' logits bit for bit, whole model,
 /// prefill (matmul, several steps) and decode (matvec, attention), for every
-/// variant this CPU runs and the fp4×q8 / bf16dot activations where they
-/// apply (the numerics contract: a kernel's shape is only a constant).
+/// variant this CPU runs and the fp4×q8 / bf16dot / fp8dot activations
+/// where they apply (the numerics contract: a kernel's shape is only a constant).
 #[test]
 fn generic_kernels_give_the_specialised_logits_bit_for_bit() {
     use bespoke::bf16act::Bf16Act;
@@ -144,15 +144,17 @@ fn generic_kernels_give_the_specialised_logits_bit_for_bit() {
             let mut ks = vec![base];
             if name == "tiny-dsv4" {
                 ks.push(base.with_fp4_act(Fp4Act::Q8));
+                ks.extend(base.with_fp8_act(Bf16Act::Bf16));
             } else if let Ok(k) = base.with_bf16_act(Bf16Act::Bf16) {
                 ks.push(k);
             }
             for k in ks {
                 let what = format!(
-                    "{name} / {} / {:?} / {:?}",
+                    "{name} / {} / {:?} / {:?} / fp8 {:?}",
                     k.isa(),
                     k.fp4_act(),
-                    k.bf16_act()
+                    k.bf16_act(),
+                    k.fp8_act()
                 );
                 let (hit, total) = bespoke::commands::specialisation(&m, &k);
                 assert!(

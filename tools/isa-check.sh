@@ -24,10 +24,11 @@ for isa in "${want[@]}"; do
       if [ ! -f /usr/include/simde/x86/avx512.h ]; then
         echo "isa-check: avx512: SIMDe missing (apt-get install libsimde-dev)"; status=1; continue
       fi
-      # bf16dot too, its instruction emulated as its definition (see templates/bf16dot.c.tera).
+      # bf16dot and fp8dot too, their instruction emulated as its definition
+      # (see templates/bf16dot.c.tera).
       cc "${flags[@]}" -mavx2 -mfma -mf16c -Wno-psabi -DBS_EMULATE_AVX512 -DISA=avx512 -DBF16DOT \
         tools/isa-check/driver.c "$out"/mat_*_avx512.c "$out"/attn_avx512.c "$out"/q8_fp4_avx512.c \
-        "$out"/bf16dot_avx512.c \
+        "$out"/bf16dot_avx512.c "$out"/fp8dot_avx512.c \
         "$out"/mat_*_scalar.c "$out"/attn_scalar.c "$out"/q8_fp4_scalar.c \
         -lm -o "$tmp/avx512"
       "$tmp/avx512" || status=1

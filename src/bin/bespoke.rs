@@ -170,9 +170,9 @@ enum BenchWhat {
         /// Only kernels whose format is one of these (comma-separated: f32, bf16,
         /// fp8, fp4, fp4q8 — the fp4×q8 variant: FP4 weights times
         /// activations rounded to int8 per 32 columns, quantization included —
-        /// and bf16dot — BF16 weights times activations rounded to BF16, on
-        /// AVX512_BF16 CPUs, rounding included). Default:
-        /// bf16,fp8,fp4,fp4q8,bf16dot.
+        /// bf16dot — BF16 weights times activations rounded to BF16, on
+        /// AVX512_BF16 CPUs, rounding included — and fp8dot, the same for
+        /// FP8 weights). Default: bf16,fp8,fp4,fp4q8,bf16dot,fp8dot.
         #[arg(long, value_name = "LIST")]
         formats: Option<String>,
         /// Only these ISA variants (comma-separated, e.g. `avx512` or
@@ -192,7 +192,7 @@ enum BenchWhat {
         /// to 1024. Each case's GFLOP/s is also set against a compute roof
         /// measured in the same run: independent chains of the kernel's
         /// multiply-add instruction (f32 FMA per ISA, VDPBF16PS for
-        /// bf16dot), the `% peak` column.
+        /// bf16dot and fp8dot), the `% peak` column.
         #[arg(long, value_name = "N", default_value_t = 1)]
         tokens: usize,
     },
@@ -371,16 +371,17 @@ fn run(cli: Cli) -> Result<(), String> {
                 },
         } => {
             let n = threads::init(threads::resolve(t)?);
-            let list = formats.unwrap_or_else(|| "bf16,fp8,fp4,fp4q8,bf16dot".into());
+            let list = formats.unwrap_or_else(|| "bf16,fp8,fp4,fp4q8,bf16dot,fp8dot".into());
             let mut formats = Vec::new();
-            let (mut fp4_q8, mut bf16dot) = (false, false);
+            let (mut fp4_q8, mut bf16dot, mut fp8dot) = (false, false, false);
             for s in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
                 match s {
                     "fp4q8" => fp4_q8 = true,
                     "bf16dot" => bf16dot = true,
+                    "fp8dot" => fp8dot = true,
                     _ => formats.push(plan::Format::parse(s).ok_or_else(|| {
                         format!(
-                            "--formats: unknown format {s:?} (f32, bf16, fp8, fp4, fp4q8, bf16dot)"
+                            "--formats: unknown format {s:?} (f32, bf16, fp8, fp4, fp4q8, bf16dot, fp8dot)"
                         )
                     })?),
                 }
@@ -407,6 +408,7 @@ fn run(cli: Cli) -> Result<(), String> {
                 formats,
                 fp4_q8,
                 bf16dot,
+                fp8dot,
                 shapes,
                 isas,
                 weight_offset,

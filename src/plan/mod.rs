@@ -838,11 +838,20 @@ pub fn q8_symbol(isa: Isa, shape: Option<&MatShape>) -> String {
     format!("bs_q8_fp4_{}_{}", isa.name(), tail)
 }
 
-/// C symbol of a bf16dot kernel (BF16 weights, activations rounded to BF16;
-/// AVX-512 BF16 only, templates/bf16dot.c.tera).
-pub fn bf16dot_symbol(shape: Option<&MatShape>) -> String {
+/// The name of the kernel family for `format`'s weights times activations
+/// rounded to BF16 (AVX-512 BF16 only, templates/bf16dot.c.tera): bf16dot
+/// for BF16 weights, fp8dot for FP8 ones.
+pub fn dot_family(format: Format) -> &'static str {
+    match format {
+        Format::Fp8 => "fp8dot",
+        _ => "bf16dot",
+    }
+}
+
+/// C symbol of a bf16dot / fp8dot kernel.
+pub fn dot_symbol(format: Format, shape: Option<&MatShape>) -> String {
     let tail = shape.map(|s| s.key()).unwrap_or_else(|| "generic".into());
-    format!("bs_bf16dot_avx512_{tail}")
+    format!("bs_{}_avx512_{tail}", dot_family(format))
 }
 
 /// C symbol of an attention kernel.

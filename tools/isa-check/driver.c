@@ -32,9 +32,12 @@ q8_fn Q8(scalar);
 q8_fn Q8(ISA);
 
 #ifdef BF16DOT
-/* bf16dot (AVX-512 BF16 only): against its definition (templates/bf16dot.c.tera). */
-void bs_bf16dot_avx512_generic(const uint16_t *w, const uint16_t *x, size_t xs, float *y, size_t rows, size_t cols,
-                               size_t n, size_t r0, size_t r1);
+/* bf16dot and fp8dot (AVX-512 BF16 only): against their definition
+ * (templates/bf16dot.c.tera). */
+#include "bs_formats.h"
+typedef void dot_fn(const void *w, const uint8_t *s, const uint16_t *x, size_t xs, float *y, size_t rows, size_t cols,
+                    size_t n, size_t r0, size_t r1);
+dot_fn bs_bf16dot_avx512_generic, bs_fp8dot_avx512_generic;
 static float bd_ftz_ref(float v) { return v != 0.0f && fabsf(v) < 0x1p-126f ? 0.0f : v; }
 static float bd_val(uint16_t h) {
     const uint32_t b = (uint32_t)h << 16;
@@ -49,15 +52,38 @@ static float bd_reduce16(const float *a) {
     for (int i = 0; i < 2; ++i) s2[i] = s4[i] + s4[i + 2];
     return s2[0] + s2[1];
 }
-static float bd_row(const uint16_t *w, const uint16_t *x, size_t cols) {
-    float acc[16] = {0};
-    for (size_t k = 0; k < (cols + 31) / 32; ++k)
+/* Weight c of a row as the instruction reads it: BF16 bits (w16) or an E4M3
+ * code (w8; every E4M3 value is a normal BF16 value, zero or NaN). */
+static float bd_w(const uint16_t *w16, const uint8_t *w8, size_t c) {
+    return w8 ? bs_e4m3_to_f32(w8[c]) : bd_val(w16[c]);
+}
+/* Chunks k0..k1 of the definition into the lane sums acc. */
+static void bd_chunks(float *acc, const uint16_t *w16, const uint8_t *w8, const uint16_t *x, size_t cols, size_t k0,
+                      size_t k1) {
+    for (size_t k = k0; k < k1; ++k)
         for (size_t l = 0; l < 16; ++l) {
             const size_t c0 = 32 * k + 2 * l, c1 = c0 + 1;
-            const float w0 = c0 < cols ? bd_val(w[c0]) : 0.0f, w1 = c1 < cols ? bd_val(w[c1]) : 0.0f;
+            const float w0 = c0 < cols ? bd_w(w16, w8, c0) : 0.0f, w1 = c1 < cols ? bd_w(w16, w8, c1) : 0.0f;
             acc[l] = bd_ftz_ref(fmaf(w1, c1 < cols ? bd_val(x[c1]) : 0.0f, acc[l]));
             acc[l] = bd_ftz_ref(fmaf(w0, c0 < cols ? bd_val(x[c0]) : 0.0f, acc[l]));
         }
+}
+static float bd_row(const uint16_t *w, const uint16_t *x, size_t cols) {
+    float acc[16] = {0};
+    bd_chunks(acc, w, NULL, x, cols, 0, (cols + 31) / 32);
+    return bd_reduce16(acc);
+}
+/* fp8dot: per 128-column scale block, lane sums from +0, then
+ * acc = fma(sum, scale, acc). */
+static float fd_row(const uint8_t *w, const uint8_t *s, const uint16_t *x, size_t cols) {
+    float acc[16] = {0};
+    const size_t nk = (cols + 31) / 32;
+    for (size_t b = 0; 128 * b < cols; ++b) {
+        float p[16] = {0};
+        bd_chunks(p, NULL, w, x, cols, 4 * b, 4 * b + 4 < nk ? 4 * b + 4 : nk);
+        const float sc = bs_e8m0_to_f32(s[b]);
+        for (size_t l = 0; l < 16; ++l) acc[l] = fmaf(p[l], sc, acc[l]);
+    }
     return bd_reduce16(acc);
 }
 #endif
@@ -229,10 +255,45 @@ int main(void) {
                     }
                 for (size_t j = 0; j < n; ++j)
                     for (size_t r = 0; r < rows; ++r) y0[j * rows + r] = bd_row(w + r * cols, x + j * xs, cols);
-                bs_bf16dot_avx512_generic(w, x, xs, y1, rows, cols, n, 0, rows);
+                bs_bf16dot_avx512_generic(w, NULL, x, xs, y1, rows, cols, n, 0, rows);
                 snprintf(what, sizeof what, "bf16dot %zux%zu n=%zu", rows, cols, n);
                 compare(what, y0, y1, n * rows);
                 free(w), free(x), free(y0), free(y1);
+            }
+    }
+    /* fp8dot: every E4M3 code (NaN codes only in every fourth row, so that
+     * long rows still compare finite sums), the scale bytes of scale_byte,
+     * tails of a 32-column chunk and of a 64-code load, partial 128-column
+     * blocks, rows across 128-row scale blocks, row tiles of 8 and 2, 1..8
+     * tokens (the 2 x 6 tile, its remainders and the one-token tile). */
+    {
+        const size_t shapes[][2] = {{1, 1}, {3, 17}, {9, 33}, {8, 64}, {5, 127}, {12, 191}, {130, 300}, {2, 4127}};
+        for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; ++si)
+            for (size_t n = 1; n <= 8; ++n) {
+                const size_t rows = shapes[si][0], cols = shapes[si][1], xs = (cols + 31) / 32 * 32 + 32;
+                const size_t nb = (cols + 127) / 128;
+                uint8_t *w = malloc(rows * cols), *sc = malloc((rows + 127) / 128 * nb);
+                uint16_t *x = calloc(n * xs, 2);
+                float *y0 = malloc(n * rows * 4), *y1 = malloc(n * rows * 4);
+                for (size_t i = 0; i < rows * cols; ++i) {
+                    uint8_t b = (uint8_t)rnd();
+                    w[i] = (b & 0x7F) == 0x7F && (i / cols) % 4 != 3 ? 0 : b;
+                }
+                for (size_t i = 0; i < (rows + 127) / 128 * nb; ++i) sc[i] = scale_byte();
+                for (size_t j = 0; j < n; ++j)
+                    for (size_t c = 0; c < cols; ++c) {
+                        float v = activation();
+                        uint32_t b;
+                        memcpy(&b, &v, 4);
+                        x[j * xs + c] = (uint16_t)(b >> 16);
+                    }
+                for (size_t j = 0; j < n; ++j)
+                    for (size_t r = 0; r < rows; ++r)
+                        y0[j * rows + r] = fd_row(w + r * cols, sc + r / 128 * nb, x + j * xs, cols);
+                bs_fp8dot_avx512_generic(w, sc, x, xs, y1, rows, cols, n, 0, rows);
+                snprintf(what, sizeof what, "fp8dot %zux%zu n=%zu", rows, cols, n);
+                compare(what, y0, y1, n * rows);
+                free(w), free(sc), free(x), free(y0), free(y1);
             }
     }
 #endif

@@ -41,8 +41,8 @@ static inline simde__m512 bs_emu_cvtepi32_ps(simde__m512i a) {
 #define _mm512_cvtepu8_epi32(a) bs_emu_cvtepu8_epi32(a)
 #define _mm512_cvtps_epi32(a) bs_emu_cvtps_epi32(a)
 
-/* Two more SIMDe 0.7 lacks (the fp4xq8 VNNI step's lane sums and the
- * bf16dot kernels' partial last chunk), element by element. */
+/* More that SIMDe 0.7 lacks (the fp4xq8 VNNI step's lane sums, the bf16dot
+ * and fp8dot kernels' partial last chunk), element by element. */
 #include <string.h>
 static inline simde__m512i bs_emu_shuffle_epi32(simde__m512i a, int imm) {
     int32_t v[16], r[16];
@@ -67,4 +67,14 @@ static inline simde__m512i bs_emu_maskz_loadu_epi16(simde__mmask32 k, const void
 #define _mm512_shuffle_f32x4(a, b, imm) simde_mm512_shuffle_f32x4((a), (b), (imm))
 #endif
 #define _mm512_maskz_loadu_epi16(k, p) bs_emu_maskz_loadu_epi16((k), (p))
+/* The fp8dot kernels' partial last 64 codes: bytes, likewise. */
+static inline simde__m512i bs_emu_maskz_loadu_epi8(simde__mmask64 k, const void *p) {
+    uint8_t v[64] = {0};
+    for (int i = 0; i < 64; ++i)
+        if ((k >> i) & 1) v[i] = ((const uint8_t *)p)[i];
+    simde__m512i r;
+    memcpy(&r, v, 64);
+    return r;
+}
+#define _mm512_maskz_loadu_epi8(k, p) bs_emu_maskz_loadu_epi8((k), (p))
 #endif
