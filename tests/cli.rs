@@ -429,6 +429,37 @@ fn ref_prompt(model: &str, index: usize) -> (serde_json::Value, String) {
     (p, ids.join(","))
 }
 
+/// `score --json --logits last` on a fixture with extra flags: (ok, stdout,
+/// stderr).
+fn score_last(model: &str, ids: &str, extra: &[&str]) -> (bool, String, String) {
+    let dir = format!("fixtures/{model}");
+    let mut a = vec![
+        "score", "--model", &dir, "--ids", ids, "--json", "--logits", "last",
+    ];
+    a.extend_from_slice(extra);
+    run(&a)
+}
+
+/// A `score --json` output and its last logits.
+fn last_logits(out: &str) -> (serde_json::Value, Vec<f64>) {
+    let v: serde_json::Value = serde_json::from_str(out).unwrap();
+    let logits = v["last_logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    (v, logits)
+}
+
+/// The largest difference between two logit vectors.
+fn max_dist(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
 /// [`ref_prompt`], and the `run --json` object of 24 greedy tokens from it.
 fn greedy_run_json(model: &str, index: usize) -> (serde_json::Value, String, serde_json::Value) {
     let (p, ids) = ref_prompt(model, index);
@@ -666,41 +697,17 @@ fn deepseek_v4_chat_needs_its_special_tokens() {
 fn fp4_act_q8_flag() {
     let (_, ids) = ref_prompt("tiny-dsv4", 1);
     let score = |extra: &[&str]| {
-        let mut a = vec![
-            "score",
-            "--model",
-            "fixtures/tiny-dsv4",
-            "--ids",
-            &ids,
-            "--json",
-            "--logits",
-            "last",
-        ];
-        a.extend_from_slice(extra);
-        let (ok, out, err) = run(&a);
+        let (ok, out, err) = score_last("tiny-dsv4", &ids, extra);
         assert!(ok, "{err}");
-        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        let logits: Vec<f64> = v["last_logits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap())
-            .collect();
-        (v, logits)
+        last_logits(&out)
     };
     let (v32, l32) = score(&[]);
     let (vq8, lq8) = score(&["--fp4-act", "q8"]);
     let (_, lds) = score(&["--numerics", "deepseek"]);
     assert_eq!(v32["fp4_act"], "f32");
     assert_eq!(vq8["fp4_act"], "q8");
-    let dist = |a: &[f64], b: &[f64]| {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f64::max)
-    };
     assert!(lq8.iter().all(|x| x.is_finite()));
-    let (dq8, dds) = (dist(&l32, &lq8), dist(&l32, &lds));
+    let (dq8, dds) = (max_dist(&l32, &lq8), max_dist(&l32, &lds));
     assert!(dq8 > 0.0, "int8 activations changed nothing");
     assert!(
         dq8 < dds,
@@ -730,30 +737,8 @@ fn fp4_act_q8_flag() {
 #[test]
 fn fp8_act_flag() {
     let (_, ids) = ref_prompt("tiny-dsv4", 1);
-    let score = |extra: &[&str]| {
-        let mut a = vec![
-            "score",
-            "--model",
-            "fixtures/tiny-dsv4",
-            "--ids",
-            &ids,
-            "--json",
-            "--logits",
-            "last",
-        ];
-        a.extend_from_slice(extra);
-        run(&a)
-    };
-    let parse = |out: &str| -> (serde_json::Value, Vec<f64>) {
-        let v: serde_json::Value = serde_json::from_str(out).unwrap();
-        let logits = v["last_logits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap())
-            .collect();
-        (v, logits)
-    };
+    let score = |extra: &[&str]| score_last("tiny-dsv4", &ids, extra);
+    let parse = last_logits;
     let (ok, out, err) = score(&["--fp8-act", "bf16"]);
     if let Err(why) = bespoke::kernels::Kernels::bf16dot_available() {
         assert!(
@@ -773,14 +758,8 @@ fn fp8_act_flag() {
     let (_, lds) = parse(&out);
     assert_eq!(v32["fp8_act"], "f32");
     assert_eq!(v16["fp8_act"], "bf16");
-    let dist = |a: &[f64], b: &[f64]| {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f64::max)
-    };
     assert!(l16.iter().all(|x| x.is_finite()));
-    let (d16, dds) = (dist(&l32, &l16), dist(&l32, &lds));
+    let (d16, dds) = (max_dist(&l32, &l16), max_dist(&l32, &lds));
     assert!(d16 > 0.0, "BF16 activations changed nothing");
     assert!(
         d16 < dds,
@@ -809,28 +788,7 @@ fn fp8_act_flag() {
 #[test]
 fn bf16_act_flag() {
     let (_, ids) = ref_prompt("tiny-llama", 0);
-    let args = |extra: &[&'static str]| {
-        let mut a: Vec<String> = [
-            "score",
-            "--model",
-            "fixtures/tiny-llama",
-            "--ids",
-            &ids,
-            "--json",
-            "--logits",
-            "last",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        a.extend(extra.iter().map(|s| s.to_string()));
-        a
-    };
-    let score = |extra: &[&'static str]| {
-        let a = args(extra);
-        let a: Vec<&str> = a.iter().map(String::as_str).collect();
-        run(&a)
-    };
+    let score = |extra: &[&str]| score_last("tiny-llama", &ids, extra);
     let (ok, out32, err) = score(&[]);
     assert!(ok, "{err}");
     let (ok, out16, err) = score(&["--bf16-act", "bf16"]);
@@ -845,25 +803,12 @@ fn bf16_act_flag() {
         }
         Ok(()) => {
             assert!(ok, "{err}");
-            let v32: serde_json::Value = serde_json::from_str(&out32).unwrap();
-            let v16: serde_json::Value = serde_json::from_str(&out16).unwrap();
+            let (v32, l32) = last_logits(&out32);
+            let (v16, l16) = last_logits(&out16);
             assert_eq!(v32["bf16_act"], "f32");
             assert_eq!(v16["bf16_act"], "bf16");
-            let logits = |v: &serde_json::Value| -> Vec<f64> {
-                v["last_logits"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_f64().unwrap())
-                    .collect()
-            };
-            let (l32, l16) = (logits(&v32), logits(&v16));
             assert!(l16.iter().all(|x| x.is_finite()));
-            let dist = l32
-                .iter()
-                .zip(&l16)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0.0, f64::max);
+            let dist = max_dist(&l32, &l16);
             let scale = l32.iter().map(|x| x.abs()).fold(0.0, f64::max);
             assert!(dist > 0.0, "BF16 activations changed nothing");
             assert!(

@@ -977,6 +977,61 @@ fn check_bf16dot(o: &Owned, x: &[f32], n: usize) -> Vec<f32> {
     want
 }
 
+/// The bf16dot (BF16) or fp8dot (FP8) kernels on big specialised shapes:
+/// one random row (and, FP8, its scales) tiled over the matrix, n tokens;
+/// row ranges at the start, an unaligned middle and the end, specialised and
+/// generic, against the definition.
+fn dot_tiled_rows(rng: &mut Rng, format: Format, shapes: &[(usize, usize)], n: usize) {
+    let k = Kernels::best();
+    let family = bespoke::plan::dot_family(format);
+    for &(rows, cols) in shapes {
+        let one = Owned::random(rng, format, 1, cols);
+        let (h, b) = (one.h.repeat(rows), one.b.repeat(rows));
+        let s = one.s.repeat(rows.div_ceil(128));
+        let w = match format {
+            Format::Bf16 => Weights::Bf16(&h),
+            _ => Weights::Fp8 { w: &b, scale: &s },
+        };
+        let m = Matrix::new(rows, cols, w).unwrap();
+        let x = rng.activations(n * cols);
+        let a = Bf16X::pack(&x, n, cols).unwrap();
+        let xs = a.stride();
+        let wants: Vec<f32> = (0..n)
+            .map(|j| dot_reference(&one, 0, &a.bits()[j * xs..(j + 1) * xs]))
+            .collect();
+        note_finite(&format!("{family} {rows}x{cols} tiled row"), &wants, cols);
+        let spec = Kernels::bf16dot_kernel_specialised(format, rows, cols).unwrap();
+        let generic = Kernels::bf16dot_kernel_generic(format).unwrap();
+        let mid = rows / 2 + 7;
+        for (r0, r1) in [(0, 9), (mid, (mid + 21).min(rows)), (rows - 5, rows)] {
+            for kern in [spec, generic] {
+                let mut y = vec![0f32; n * rows];
+                k.matmul_bf16dot_rows_with(kern, &m, &a, &mut y, r0, r1)
+                    .unwrap();
+                for (j, want) in wants.iter().enumerate() {
+                    for r in r0..r1 {
+                        assert!(
+                            common::same(y[j * rows + r], *want),
+                            "{family} {rows}x{cols} token {j} row {r}: {} vs reference {want}",
+                            y[j * rows + r]
+                        );
+                    }
+                }
+            }
+        }
+    }
+    let names: Vec<String> = BF16DOT_KERNELS
+        .iter()
+        .filter(|k| k.format == format)
+        .map(|k| {
+            k.shape
+                .map(|(r, c)| format!("{r}x{c}"))
+                .unwrap_or_else(|| "generic".into())
+        })
+        .collect();
+    eprintln!("{family} kernels checked: {}", names.join(", "));
+}
+
 #[test]
 fn bf16dot_matches_its_reference() {
     let _tally = FiniteTally::start();
@@ -1022,42 +1077,7 @@ fn bf16dot_matches_its_reference() {
             }
         }
     }
-    // Bigger specialised shapes: one random row tiled over the matrix, row
-    // ranges at the start, an unaligned middle and the end, 7 tokens.
-    let k = Kernels::best();
-    for &(rows, cols) in &big {
-        let one = Owned::random(&mut rng, Format::Bf16, 1, cols);
-        let w = one.h.repeat(rows);
-        let m = Matrix::new(rows, cols, Weights::Bf16(&w)).unwrap();
-        let n = 7;
-        let x = rng.activations(n * cols);
-        let a = Bf16X::pack(&x, n, cols).unwrap();
-        let xs = a.stride();
-        let mid = rows / 2 + 7;
-        let wants: Vec<f32> = (0..n)
-            .map(|j| bf16act::row_dot(&one.h, &a.bits()[j * xs..(j + 1) * xs]))
-            .collect();
-        note_finite(&format!("bf16dot {rows}x{cols} tiled row"), &wants, cols);
-        let spec = Kernels::bf16dot_kernel_specialised(Format::Bf16, rows, cols).unwrap();
-        let generic = Kernels::bf16dot_kernel_generic(Format::Bf16).unwrap();
-        for (r0, r1) in [(0, 9), (mid, (mid + 21).min(rows)), (rows - 5, rows)] {
-            for kern in [spec, generic] {
-                let mut y = vec![0f32; n * rows];
-                k.matmul_bf16dot_rows_with(kern, &m, &a, &mut y, r0, r1)
-                    .unwrap();
-                for j in 0..n {
-                    let want = bf16act::row_dot(&one.h, &a.bits()[j * xs..(j + 1) * xs]);
-                    for r in r0..r1 {
-                        assert!(
-                            common::same(y[j * rows + r], want),
-                            "bf16dot {rows}x{cols} token {j} row {r}: {} vs reference {want}",
-                            y[j * rows + r]
-                        );
-                    }
-                }
-            }
-        }
-    }
+    dot_tiled_rows(&mut rng, Format::Bf16, &big, 7);
     // The flushing and the order of each pair, which random data rarely
     // shows, on the CPU's own instruction.
     let (w, x) = bf16act::edge_rows();
@@ -1072,16 +1092,6 @@ fn bf16dot_matches_its_reference() {
     };
     let y = check_bf16dot(&o, &x, 2);
     assert_eq!((y[0], y[3]), (f32::MIN_POSITIVE, 1.0));
-    let names: Vec<String> = BF16DOT_KERNELS
-        .iter()
-        .filter(|k| k.format == Format::Bf16)
-        .map(|k| {
-            k.shape
-                .map(|(r, c)| format!("{r}x{c}"))
-                .unwrap_or_else(|| "generic".into())
-        })
-        .collect();
-    eprintln!("bf16dot kernels checked: {}", names.join(", "));
 }
 
 /// The bf16dot variant stays within its stated error bound of the exact
@@ -1198,52 +1208,7 @@ fn fp8dot_matches_its_reference() {
     let y = check_bf16dot(&o, &x, 2);
     assert!(y[3].is_nan() && y[128..256].iter().all(|v| v.is_nan()));
     assert!(y[..3].iter().chain(&y[256..rows]).any(|v| v.is_finite()));
-    // Bigger specialised shapes: one random row (and its scales) tiled over
-    // the matrix, row ranges at the start, an unaligned middle and the end.
-    let k = Kernels::best();
-    for &(rows, cols) in &big {
-        let one = Owned::random(&mut rng, Format::Fp8, 1, cols);
-        let w = one.b.repeat(rows);
-        let s = one.s.repeat(rows.div_ceil(128));
-        let m = Matrix::new(rows, cols, Weights::Fp8 { w: &w, scale: &s }).unwrap();
-        let n = 5;
-        let x = rng.activations(n * cols);
-        let a = Bf16X::pack(&x, n, cols).unwrap();
-        let xs = a.stride();
-        let wants: Vec<f32> = (0..n)
-            .map(|j| dot_reference(&one, 0, &a.bits()[j * xs..(j + 1) * xs]))
-            .collect();
-        note_finite(&format!("fp8dot {rows}x{cols} tiled row"), &wants, cols);
-        let spec = Kernels::bf16dot_kernel_specialised(Format::Fp8, rows, cols).unwrap();
-        let generic = Kernels::bf16dot_kernel_generic(Format::Fp8).unwrap();
-        let mid = rows / 2 + 7;
-        for (r0, r1) in [(0, 9), (mid, (mid + 21).min(rows)), (rows - 5, rows)] {
-            for kern in [spec, generic] {
-                let mut y = vec![0f32; n * rows];
-                k.matmul_bf16dot_rows_with(kern, &m, &a, &mut y, r0, r1)
-                    .unwrap();
-                for (j, want) in wants.iter().enumerate() {
-                    for r in r0..r1 {
-                        assert!(
-                            common::same(y[j * rows + r], *want),
-                            "fp8dot {rows}x{cols} token {j} row {r}: {} vs reference {want}",
-                            y[j * rows + r]
-                        );
-                    }
-                }
-            }
-        }
-    }
-    let names: Vec<String> = BF16DOT_KERNELS
-        .iter()
-        .filter(|k| k.format == Format::Fp8)
-        .map(|k| {
-            k.shape
-                .map(|(r, c)| format!("{r}x{c}"))
-                .unwrap_or_else(|| "generic".into())
-        })
-        .collect();
-    eprintln!("fp8dot kernels checked: {}", names.join(", "));
+    dot_tiled_rows(&mut rng, Format::Fp8, &big, 5);
 }
 
 /// The fp8dot variant stays within its stated error bound of the exact

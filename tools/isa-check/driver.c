@@ -118,6 +118,19 @@ static uint8_t scale_byte(void) {
     default: return (uint8_t)(118 + rnd() % 16);
     }
 }
+#ifdef BF16DOT
+/* n tokens of cols BF16 activations (the high halves of activation()), row
+ * stride xs, zero past cols. */
+static void bf16_activations(uint16_t *x, size_t n, size_t cols, size_t xs) {
+    for (size_t j = 0; j < n; ++j)
+        for (size_t c = 0; c < cols; ++c) {
+            float v = activation();
+            uint32_t b;
+            memcpy(&b, &v, 4);
+            x[j * xs + c] = (uint16_t)(b >> 16);
+        }
+}
+#endif
 static int same(float a, float b) {
     uint32_t x, y;
     memcpy(&x, &a, 4);
@@ -246,13 +259,7 @@ int main(void) {
                     memcpy(&b, &v, 4);
                     w[i] = (uint16_t)(b >> 16);
                 }
-                for (size_t j = 0; j < n; ++j)
-                    for (size_t c = 0; c < cols; ++c) {
-                        float v = activation();
-                        uint32_t b;
-                        memcpy(&b, &v, 4);
-                        x[j * xs + c] = (uint16_t)(b >> 16);
-                    }
+                bf16_activations(x, n, cols, xs);
                 for (size_t j = 0; j < n; ++j)
                     for (size_t r = 0; r < rows; ++r) y0[j * rows + r] = bd_row(w + r * cols, x + j * xs, cols);
                 bs_bf16dot_avx512_generic(w, NULL, x, xs, y1, rows, cols, n, 0, rows);
@@ -280,13 +287,7 @@ int main(void) {
                     w[i] = (b & 0x7F) == 0x7F && (i / cols) % 4 != 3 ? 0 : b;
                 }
                 for (size_t i = 0; i < (rows + 127) / 128 * nb; ++i) sc[i] = scale_byte();
-                for (size_t j = 0; j < n; ++j)
-                    for (size_t c = 0; c < cols; ++c) {
-                        float v = activation();
-                        uint32_t b;
-                        memcpy(&b, &v, 4);
-                        x[j * xs + c] = (uint16_t)(b >> 16);
-                    }
+                bf16_activations(x, n, cols, xs);
                 for (size_t j = 0; j < n; ++j)
                     for (size_t r = 0; r < rows; ++r)
                         y0[j * rows + r] = fd_row(w + r * cols, sc + r / 128 * nb, x + j * xs, cols);
