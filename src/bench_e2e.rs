@@ -20,7 +20,8 @@ pub struct E2eOptions {
     /// Also time the model on the generic kernels only, each repeat beside
     /// the specialised one (`--vs-generic`).
     pub vs_generic: bool,
-    /// `--numerics` / `--fp4-act`, as for `run`.
+    /// `--numerics`, `--fp4-act`, `--bf16-act`, `--fp8-act` and `--vram`, as
+    /// for `run`.
     pub num: crate::commands::NumericsArgs,
 }
 
