@@ -9,6 +9,10 @@
 //! zero. Its exact definition is in templates/bf16dot.c.tera; [`row_dot`]
 //! computes it in Rust (the conformance tests hold the kernels to it bit for
 //! bit), and [`error_bound`] bounds its distance from the exact product.
+//!
+//! The fp8dot variant (`--fp8-act bf16`) is the same for FP8 weights, whose
+//! E4M3 values are all exact BF16 values, summed per 128-column scale block:
+//! [`fp8_row_dot`] and [`fp8_error_bound`].
 
 use crate::formats;
 use crate::kernels::KernelError;
@@ -16,14 +20,15 @@ use crate::kernels::KernelError;
 /// Columns per chunk: one 64-byte vector of BF16 values.
 pub const CHUNK: usize = 32;
 
-/// Selects how BF16 matrices meet their activations (`--bf16-act`).
+/// Selects how BF16 matrices (`--bf16-act`) or FP8 matrices (`--fp8-act`)
+/// meet their activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum Bf16Act {
     /// f32 activations: bit-identical to the scalar reference (the default).
     #[default]
     F32,
     /// Activations rounded to BF16, VDPBF16PS pair products (the bf16dot
-    /// kernels; AVX-512 BF16 CPUs only).
+    /// or fp8dot kernels; AVX-512 BF16 CPUs only).
     Bf16,
 }
 

@@ -104,9 +104,9 @@ pub type Bf16DotFn = unsafe extern "C" fn(
     usize,
 );
 
-/// A compiled bf16dot matmul (BF16 weights, activations rounded to BF16:
-/// src/bf16act.rs; AVX-512 BF16), specialised on `shape` = (rows, cols) or
-/// generic.
+/// A compiled bf16dot or fp8dot matmul (BF16 or FP8 weights, activations
+/// rounded to BF16: src/bf16act.rs; AVX-512 BF16), specialised on `shape` =
+/// (rows, cols) or generic.
 pub struct Bf16DotKernel {
     /// The weights' format: BF16 (bf16dot) or FP8 (fp8dot).
     pub format: Format,
@@ -573,8 +573,9 @@ impl Kernels {
         self.fp8_act
     }
 
-    /// Whether this binary has bf16dot kernels and this CPU can run them
-    /// (the avx512 variant's features and AVX512_BF16); if not, why.
+    /// Whether this binary has bf16dot (and fp8dot) kernels and this CPU
+    /// can run them (the avx512 variant's features and AVX512_BF16); if
+    /// not, why.
     pub fn bf16dot_available() -> Result<(), String> {
         // Asked once: every bf16dot product checks it.
         static AVAILABLE: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
