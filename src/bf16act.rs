@@ -97,7 +97,7 @@ impl Bf16X {
         Ok(a)
     }
 
-    /// Round x ([n][cols], row-major by token) into these buffers (reused
+    /// Round x (`[n][cols]`, row-major by token) into these buffers (reused
     /// across calls).
     pub fn pack_from(&mut self, x: &[f32], n: usize, cols: usize) -> Result<(), KernelError> {
         let want = n
@@ -288,7 +288,7 @@ pub fn fp8_error_bound(codes: &[u8], scales: &[u8], x: &[f32]) -> f64 {
     round_err + (2.0 * chunks + blocks + 5.0) * two(-24) * 1.001 * mass_hat + flush
 }
 
-/// A 2×64 BF16 matrix and two tokens of activations ([2][64]) on which the
+/// A 2×64 BF16 matrix and two tokens of activations (`[2][64]`) on which the
 /// definition's flushing (row 0 with token 0) and its odd-before-even order
 /// (row 1 with token 1) show: see the unit test; the conformance tests run
 /// them through the kernels.

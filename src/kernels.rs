@@ -361,7 +361,7 @@ pub struct AttnArgs<'a> {
     pub k: &'a [f32],
     /// Values, same layout as the keys (may be the same buffer).
     pub v: &'a [f32],
-    /// Per-head sink logits [n_heads] that join the softmax denominator.
+    /// Per-head sink logits `[n_heads]` that join the softmax denominator.
     pub sinks: Option<&'a [f32]>,
     pub n_heads: usize,
     pub n_kv_heads: usize,
@@ -989,7 +989,7 @@ impl Kernels {
         self.matvec_with(self.mat_kernel(m.format(), m.rows, m.cols), m, x, y)
     }
 
-    /// Y[n][rows] = W X[n][cols], X and Y row-major by token.
+    /// `Y[n][rows] = W X[n][cols]`, X and Y row-major by token.
     pub fn matmul(
         &self,
         m: &Matrix,

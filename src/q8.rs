@@ -53,7 +53,7 @@ impl Q8Act {
     pub fn cols(&self) -> usize {
         self.q.len()
     }
-    /// [cols]: per 32-column block, the even columns' int8 values, then the odd ones'.
+    /// `[cols]`: per 32-column block, the even columns' int8 values, then the odd ones'.
     pub fn q(&self) -> &[i8] {
         &self.q
     }

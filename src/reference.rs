@@ -73,7 +73,7 @@ pub fn matvec(m: &Matrix, x: &[f32]) -> Vec<f32> {
     (0..m.rows()).map(|r| row_dot(m, r, x)).collect()
 }
 
-/// Y[n][rows] = W X[n][cols].
+/// `Y[n][rows] = W X[n][cols]`.
 pub fn matmul(m: &Matrix, x: &[f32], n: usize) -> Vec<f32> {
     let cols = m.cols();
     (0..n)

@@ -344,7 +344,7 @@ impl<'m> Mat<'m> {
         }
     }
 
-    /// Y[n][rows] = W X[n][cols].
+    /// `Y[n][rows] = W X[n][cols]`.
     pub fn apply(
         &self,
         k: &Kernels,
