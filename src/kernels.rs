@@ -214,6 +214,17 @@ pub enum KernelError {
     BadSpecialised(String),
 }
 
+impl KernelError {
+    /// The error for BF16-activation products on `format` weights that
+    /// cannot run: `why` said by bf16dot for BF16, by fp8dot for FP8.
+    fn no_dot(format: Format, why: String) -> KernelError {
+        match format {
+            Format::Fp8 => KernelError::NoFp8Dot(why),
+            _ => KernelError::NoBf16Dot(why),
+        }
+    }
+}
+
 /// Weight data of a matrix, in one of the kernel formats.
 #[derive(Clone, Copy)]
 pub enum Weights<'a> {
@@ -544,13 +555,7 @@ impl Kernels {
     /// These kernels with BF16 matrices multiplied as `act` says; `Bf16`
     /// needs the bf16dot kernels (see [`Kernels::bf16dot_available`]).
     pub fn with_bf16_act(self, act: Bf16Act) -> Result<Kernels, KernelError> {
-        if act == Bf16Act::Bf16 {
-            Self::bf16dot_available().map_err(KernelError::NoBf16Dot)?;
-        }
-        Ok(Kernels {
-            bf16_act: act,
-            ..self
-        })
+        self.with_dot_act(Format::Bf16, act)
     }
 
     pub fn bf16_act(&self) -> Bf16Act {
@@ -560,13 +565,19 @@ impl Kernels {
     /// These kernels with FP8 matrices multiplied as `act` says; `Bf16`
     /// needs the fp8dot kernels (AVX-512 BF16, as bf16dot).
     pub fn with_fp8_act(self, act: Bf16Act) -> Result<Kernels, KernelError> {
+        self.with_dot_act(Format::Fp8, act)
+    }
+
+    /// `format` (BF16 or FP8) matrices multiplied as `act` says.
+    fn with_dot_act(mut self, format: Format, act: Bf16Act) -> Result<Kernels, KernelError> {
         if act == Bf16Act::Bf16 {
-            Self::bf16dot_available().map_err(KernelError::NoFp8Dot)?;
+            Self::bf16dot_available().map_err(|why| KernelError::no_dot(format, why))?;
         }
-        Ok(Kernels {
-            fp8_act: act,
-            ..self
-        })
+        match format {
+            Format::Fp8 => self.fp8_act = act,
+            _ => self.bf16_act = act,
+        }
+        Ok(self)
     }
 
     pub fn fp8_act(&self) -> Bf16Act {
@@ -677,10 +688,7 @@ impl Kernels {
         y: &mut [f32],
     ) -> Result<impl Fn(usize, usize) + Sync + Send + Copy, KernelError> {
         let family = crate::plan::dot_family(k.format);
-        Self::bf16dot_available().map_err(|why| match k.format {
-            Format::Fp8 => KernelError::NoFp8Dot(why),
-            _ => KernelError::NoBf16Dot(why),
-        })?;
+        Self::bf16dot_available().map_err(|why| KernelError::no_dot(k.format, why))?;
         let (w, s) = match (k.format, &m.weights) {
             (Format::Bf16, Weights::Bf16(w)) => (w.as_ptr().cast::<c_void>(), std::ptr::null()),
             (Format::Fp8, Weights::Fp8 { w, scale }) => (w.as_ptr().cast(), scale.as_ptr()),
@@ -759,10 +767,7 @@ impl Kernels {
     ) -> Result<(), KernelError> {
         let k = self
             .bf16dot_kernel(m.format(), m.rows, m.cols)
-            .ok_or_else(|| match m.format() {
-                Format::Fp8 => KernelError::NoFp8Dot("this build has none".into()),
-                _ => KernelError::NoBf16Dot("this build has none".into()),
-            })?;
+            .ok_or_else(|| KernelError::no_dot(m.format(), "this build has none".into()))?;
         // One buffer per thread, reused across calls.
         thread_local! {
             static ACT: std::cell::RefCell<Bf16X> = std::cell::RefCell::new(Bf16X::default());
