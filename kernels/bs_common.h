@@ -72,16 +72,6 @@ BS_ALWAYS_INLINE float bs_exp1(float x) {
     return x < -87.0f ? 0.0f : p * two_n;
 }
 
-/* 32 E2M1 columns (16 bytes) into two lane groups, in column order (lane
- * group h holds columns 16h..16h+15). ISAs with a faster whole-block decode
- * define BS_HAVE_DEC32_E2M1 and their own. */
-#ifndef BS_HAVE_DEC32_E2M1
-BS_ALWAYS_INLINE void bs_dec32_e2m1(const void *p, bs_vf o[2][BS_G]) {
-    bs_dec16_e2m1(p, o[0]);
-    bs_dec16_e2m1((const uint8_t *)p + 8, o[1]);
-}
-#endif
-
 /* Four accumulators' sums (bs_reduce16 each) to y[0..3]. ISAs that can do
  * the four trees side by side define BS_HAVE_REDUCE16X4 and their own. */
 #ifndef BS_HAVE_REDUCE16X4

@@ -56,6 +56,42 @@ static inline float bs_e8m0_to_f32(uint8_t b) {
     return bs_bits_f32(bits);
 }
 
+/* The same scales as f32 bit patterns, for vector code that broadcasts one
+ * from memory: entry b is b << 23 for 1..254, 2^-127 for 0, NaN for 255. */
+#define BS_E8M0_1(b) ((uint32_t)(b) << 23)
+#define BS_E8M0_2(b) BS_E8M0_1(b), BS_E8M0_1((b) + 1)
+#define BS_E8M0_4(b) BS_E8M0_2(b), BS_E8M0_2((b) + 2)
+#define BS_E8M0_8(b) BS_E8M0_4(b), BS_E8M0_4((b) + 4)
+#define BS_E8M0_16(b) BS_E8M0_8(b), BS_E8M0_8((b) + 8)
+#define BS_E8M0_32(b) BS_E8M0_16(b), BS_E8M0_16((b) + 16)
+#define BS_E8M0_64(b) BS_E8M0_32(b), BS_E8M0_32((b) + 32)
+static const uint32_t BS_E8M0_BITS[] = {
+    0x00400000u, BS_E8M0_1(1), BS_E8M0_2(2), BS_E8M0_4(4), BS_E8M0_8(8), BS_E8M0_16(16), BS_E8M0_32(32),
+    BS_E8M0_64(64), BS_E8M0_64(128), BS_E8M0_32(192), BS_E8M0_16(224), BS_E8M0_8(240), BS_E8M0_4(248),
+    BS_E8M0_2(252), BS_E8M0_1(254), BS_NAN_BITS,
+};
+_Static_assert(sizeof BS_E8M0_BITS == 256 * sizeof(uint32_t), "one entry per scale byte");
+
+/* ---- FP4 chunks (templates/matmul.c.tera) ----
+ * The FP4 kernels take a row 128 columns (64 bytes, 4 scale blocks) at a
+ * time: lane l (0..15) of a chunk holds the 8 consecutive columns 8l..8l+7,
+ * the 4 bytes 4l..4l+3, all in block l / 4; step k (0..7) of lane l is
+ * column 8l + k, byte 4l + k / 2, the low nibble for even k. Each ISA's
+ * bs_fp4_steps(p, g, o) decodes lane group g's 8 steps into o[0..7] in lane
+ * order, and bs_fp4s_get its per-lane scales. */
+static const float BS_FP4_LANE_BLOCK[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+/* The next (up to) 16 scale bytes of a row, 4 chunks' worth, zero-padded. */
+typedef struct {
+    uint8_t b[16];
+} bs_fp4s_bytes;
+static inline void bs_fp4s_copy(bs_fp4s_bytes *st, const uint8_t *s, size_t n) {
+    if (n >= 16) {
+        memcpy(st->b, s, 16);
+    } else {
+        for (size_t i = 0; i < 16; ++i) st->b[i] = i < n ? s[i] : 0;
+    }
+}
+
 /* Element c of a row, per format (used for lane tails). */
 static inline float bs_w1_f32(const void *row, size_t c) { return ((const float *)row)[c]; }
 static inline float bs_w1_bf16(const void *row, size_t c) { return bs_bf16_to_f32(((const uint16_t *)row)[c]); }

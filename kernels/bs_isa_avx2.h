@@ -53,40 +53,6 @@ static inline void bs_dec16_e4m3(const void *p, bs_vf o[BS_G]) {
     o[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_set1_ps(256.0f));
     o[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), _mm256_set1_ps(256.0f));
 }
-/* E2M1 values are F16 values whose low byte is zero: one pshufb looks up the
- * high byte of 16 codes (sign included, so code 8 is -0), F16C converts. */
-static inline void bs_dec16_e2m1(const void *p, bs_vf o[BS_G]) {
-    const __m128i f16_hi = _mm_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, (char)0x80, (char)0xB8,
-                                         (char)0xBC, (char)0xBE, (char)0xC0, (char)0xC2, (char)0xC4, (char)0xC6);
-    __m128i b = _mm_loadl_epi64((const __m128i *)p);
-    __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-    __m128i h = _mm_shuffle_epi8(f16_hi, _mm_unpacklo_epi8(lo, hi));
-    o[0] = _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), h));
-    o[1] = _mm256_cvtph_ps(_mm_unpackhi_epi8(_mm_setzero_si128(), h));
-}
-
-/* 32 codes at once: one 256-bit pshufb (128-bit lane 0 holds columns 0..15,
- * lane 1 columns 16..31), then F16C on each quarter. */
-#define BS_HAVE_DEC32_E2M1 1
-static inline void bs_dec32_e2m1(const void *p, bs_vf o[2][BS_G]) {
-    const __m256i f16_hi = _mm256_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, (char)0x80, (char)0xB8,
-                                            (char)0xBC, (char)0xBE, (char)0xC0, (char)0xC2, (char)0xC4, (char)0xC6,
-                                            0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, (char)0x80, (char)0xB8,
-                                            (char)0xBC, (char)0xBE, (char)0xC0, (char)0xC2, (char)0xC4, (char)0xC6);
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-    __m256i codes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(lo, hi)), _mm_unpackhi_epi8(lo, hi), 1);
-    __m256i h = _mm256_shuffle_epi8(f16_hi, codes);
-    __m256i a = _mm256_unpacklo_epi8(_mm256_setzero_si256(), h); /* columns 0..7 | 16..23 */
-    __m256i c = _mm256_unpackhi_epi8(_mm256_setzero_si256(), h); /* columns 8..15 | 24..31 */
-    o[0][0] = _mm256_cvtph_ps(_mm256_castsi256_si128(a));
-    o[0][1] = _mm256_cvtph_ps(_mm256_castsi256_si128(c));
-    o[1][0] = _mm256_cvtph_ps(_mm256_extracti128_si256(a, 1));
-    o[1][1] = _mm256_cvtph_ps(_mm256_extracti128_si256(c, 1));
-}
-
 /* ---- Permuted lane orders (templates/matmul.c.tera, "permuted" formats) ----
  * Building each f32 straight from its bytes (no F16C, no rescale) leaves the
  * columns of a 16-column group in a shuffled order: physical slot p holds
@@ -105,14 +71,15 @@ static inline void bs_tops_to_f32(__m256i u0, __m256i u1, bs_vf o[2][BS_G]) {
     o[1][1] = _mm256_castsi256_ps(_mm256_and_si256(u1, top));
 }
 
-/* FP4: one 16-byte block broadcast to both 128-bit halves, low nibbles (even
- * columns) in the low half, high nibbles (odd columns) in the high half; two
- * pshufb give each code's f32 bytes 3 and 2 (every E2M1 value is exact in
- * the top 16 bits of an f32), two unpacks pair them, and a shift / a mask
- * split each 32-bit pair into two f32 vectors. */
-static const float BS_LANES_FP4[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
-
-static inline void bs_dec32p_e2m1(const void *p, bs_vf o[2][BS_G]) {
+/* FP4 chunk (bs_formats.h), lane group g = lanes 8g..8g+7 = bytes 32g..32g+31,
+ * lanes 4h..4h+3 of the group in 128-bit half h. One pshufb reorders each
+ * half's 16 bytes to (lane 0 bytes 0, 1; lane 1 bytes 0, 1; ...; lane 0
+ * bytes 2, 3; ...); low and high nibbles are split, two pshufb per nibble
+ * vector give each code's f32 bytes 3 and 2 (every E2M1 value is exact in
+ * the top 16 bits of an f32), and the unpacks pair them so that the 32-bit
+ * slot t of each result holds two steps of lane t, split by a shift and a
+ * mask (bs_tops_to_f32): all eight steps in lane order. */
+static inline void bs_fp4_steps_of(__m256i raw, bs_vf o[8]) {
     const __m256i th = _mm256_setr_epi8(0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, (char)0x80, (char)0xBF,
                                         (char)0xBF, (char)0xBF, (char)0xC0, (char)0xC0, (char)0xC0, (char)0xC0,
                                         0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, (char)0x80, (char)0xBF,
@@ -121,12 +88,38 @@ static inline void bs_dec32p_e2m1(const void *p, bs_vf o[2][BS_G]) {
                                         0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0,
                                         0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0,
                                         0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0);
-    __m256i y = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
-    __m256i c = _mm256_and_si256(_mm256_srlv_epi32(y, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
-    __m256i hi = _mm256_shuffle_epi8(th, c), lo = _mm256_shuffle_epi8(tl, c);
-    __m256i u0 = _mm256_unpacklo_epi8(lo, hi); /* columns 0,2,..,14 | 1,3,..,15 as 16-bit tops */
-    __m256i u1 = _mm256_unpackhi_epi8(lo, hi); /* columns 16,18,..,30 | 17,19,..,31 */
-    bs_tops_to_f32(u0, u1, o);
+    const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    const __m256i d = _mm256_shuffle_epi8(raw, order);
+    const __m256i e = _mm256_and_si256(d, m), od = _mm256_and_si256(_mm256_srli_epi16(d, 4), m);
+    const __m256i eh = _mm256_shuffle_epi8(th, e), el = _mm256_shuffle_epi8(tl, e);
+    const __m256i oh = _mm256_shuffle_epi8(th, od), ol = _mm256_shuffle_epi8(tl, od);
+    bs_vf t[2][BS_G];
+    bs_tops_to_f32(_mm256_unpacklo_epi8(el, eh), _mm256_unpackhi_epi8(el, eh), t); /* steps 0, 2 | 4, 6 */
+    o[0] = t[0][0], o[2] = t[0][1], o[4] = t[1][0], o[6] = t[1][1];
+    bs_tops_to_f32(_mm256_unpacklo_epi8(ol, oh), _mm256_unpackhi_epi8(ol, oh), t); /* steps 1, 3 | 5, 7 */
+    o[1] = t[0][0], o[3] = t[0][1], o[5] = t[1][0], o[7] = t[1][1];
+}
+static inline void bs_fp4_steps(const uint8_t *p, int g, bs_vf o[8]) {
+    bs_fp4_steps_of(_mm256_loadu_si256((const __m256i *)(p + 32 * g)), o);
+}
+/* A partial chunk: only its nblk (1..3) blocks are read (a masked load of
+ * whole dwords), the rest is zero. */
+static inline void bs_fp4_steps_part(const uint8_t *p, int g, size_t nblk, bs_vf o[8]) {
+    const __m256i dw = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int have = (int)(4 * nblk) - 8 * g; /* dwords of this group's 8 that exist */
+    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(have), dw);
+    bs_fp4_steps_of(_mm256_maskload_epi32((const int *)(p + 32 * g), m), o);
+}
+/* Scales of 4 chunks: group g of chunk qq covers blocks 2g and 2g + 1, each
+ * broadcast from the f32 table and blended. */
+typedef bs_fp4s_bytes bs_fp4s;
+static inline void bs_fp4s_load(bs_fp4s *st, const uint8_t *s, size_t n) { bs_fp4s_copy(st, s, n); }
+static inline bs_vf bs_fp4s_get(const bs_fp4s *st, int qq, int g) {
+    const uint8_t *b = st->b + 4 * qq + 2 * g;
+    return _mm256_castsi256_ps(_mm256_blend_epi32(_mm256_set1_epi32((int)BS_E8M0_BITS[b[0]]),
+                                                  _mm256_set1_epi32((int)BS_E8M0_BITS[b[1]]), 0xF0));
 }
 
 /* FP8: every normal E4M3 value is a BF16 value whose bits are the code's

@@ -1,7 +1,7 @@
 /* AVX-512 (F/BW/VL/VBMI/VNNI): 16 lanes, one vector per lane group. Byte and
  * word permutes do the spreading and the look-ups; every decoder yields the
- * logical lane order (lane l = column l of the group) except the FP4 one the
- * kernels use, bs_dec16p_e2m1 (see the permuted lane orders below). */
+ * logical lane order (lane l = column l of the group, or for FP4 lane l of
+ * the chunk). */
 #ifndef BS_ISA_H
 #define BS_ISA_H
 #ifdef BS_EMULATE_AVX512
@@ -101,44 +101,51 @@ static inline void bs_dec16_e4m3(const void *p, bs_vf o[BS_G]) {
     o[0] = bs_e4m3_group(hi, lo, 0);
 }
 
-/* E2M1: all 16 values in one register, looked up by the low 4 bits of each
- * f32 lane of idx (vpermps ignores the bits above). */
-static inline bs_vf bs_e2m1_lookup(__m512i idx) {
-    const __m512 table = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                        -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
-    return _mm512_permutexvar_ps(idx, table);
+/* FP4 chunk (bs_formats.h): 64 bytes, lane l's 4 bytes in f32 lane l. vpermps
+ * looks up the code in bits 0..3 of each lane (steps 0..3: the chunk shifted
+ * right by 0, 4, 8, 12), and a zero-masked vpermw the code in bits 16..19
+ * (steps 4..7, the same four registers): the odd 16-bit halves take the BF16
+ * of the code (exact for every E2M1 value; the table is written twice over,
+ * as vpermw also reads bit 20), the even halves are zeroed. Eight look-ups
+ * and three shifts per 128 weights. */
+static inline void bs_fp4_steps_of(__m512i d0, bs_vf o[8]) {
+    const __m512 t = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+    const __m512i tw = _mm512_setr_epi32(0x3F000000, 0x3FC03F80, 0x40404000, 0x40C04080, (int)0xBF008000u,
+                                         (int)0xBFC0BF80u, (int)0xC040C000u, (int)0xC0C0C080u, 0x3F000000, 0x3FC03F80,
+                                         0x40404000, 0x40C04080, (int)0xBF008000u, (int)0xBFC0BF80u, (int)0xC040C000u,
+                                         (int)0xC0C0C080u);
+    const __m512i d[4] = {d0, _mm512_srli_epi32(d0, 4), _mm512_srli_epi32(d0, 8), _mm512_srli_epi32(d0, 12)};
+    for (int k = 0; k < 4; ++k) {
+        o[k] = _mm512_permutexvar_ps(d[k], t);
+        o[k + 4] = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, d[k], tw));
+    }
 }
-/* The 8 bytes (16 codes) of one lane group in every qword. */
-static inline __m512i bs_e2m1_bcast(const void *p) {
-    long long q;
-    memcpy(&q, p, 8);
-    return _mm512_set1_epi64(q);
+static inline void bs_fp4_steps(const uint8_t *p, int g, bs_vf o[8]) {
+    (void)g;
+    bs_fp4_steps_of(_mm512_loadu_si512(p), o);
 }
-/* Lane order: vpmultishiftqb moves code l into the low bits of lane l. */
-static inline void bs_dec16_e2m1(const void *p, bs_vf o[BS_G]) {
-    /* qword q holds lanes 2q (bit offset 8q: the low nibble of byte q) and
-     * 2q + 1 (8q + 4: its high nibble) */
-    const __m512i sh = _mm512_set_epi64(0x0000003C00000038ll, 0x0000003400000030ll, 0x0000002C00000028ll,
-                                        0x0000002400000020ll, 0x0000001C00000018ll, 0x0000001400000010ll,
-                                        0x0000000C00000008ll, 0x0000000400000000ll);
-    o[0] = bs_e2m1_lookup(_mm512_multishift_epi64_epi8(sh, bs_e2m1_bcast(p)));
+/* A partial chunk: only its nblk (1..3) blocks are read, the rest is zero. */
+static inline void bs_fp4_steps_part(const uint8_t *p, int g, size_t nblk, bs_vf o[8]) {
+    (void)g;
+    bs_fp4_steps_of(_mm512_maskz_loadu_epi8(((__mmask64)1 << (16 * nblk)) - 1, p), o);
 }
-
-/* ---- Permuted lane orders (templates/matmul.c.tera, "permuted" formats) ----
- * FP4: slot s of a lane group holds column BS_LANES_FP4[s] = 8 (s & 1) +
- * s / 2. The group's 8 bytes are broadcast as qwords, so even slots see
- * their low dword (columns 0..7) and odd slots the high one (8..15); a
- * per-slot shift brings the slot's nibble to the bottom and vpermps looks it
- * up. Against bs_dec16_e2m1 this trades vpmultishiftqb, which competes with
- * the FMAs for the same two ports on a Zen 5, for a shift that does not. */
-static const float BS_LANES_FP4[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
-static inline void bs_dec16p_e2m1(const void *p, bs_vf o[BS_G]) {
-    const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
-    o[0] = bs_e2m1_lookup(_mm512_srlv_epi32(bs_e2m1_bcast(p), sh));
+/* Scales of 4 chunks, converted at once: 2^(b-127) is b << 23 except for
+ * b = 0 (2^-127) and 255 (NaN), which both need bit 22 set. Chunk qq's lane
+ * l takes byte 4 qq + l / 4 with one vpermps. */
+typedef __m512 bs_fp4s;
+static inline void bs_fp4s_load(bs_fp4s *st, const uint8_t *s, size_t n) {
+    const __m128i raw = n >= 16 ? _mm_loadu_si128((const __m128i *)s) : _mm_maskz_loadu_epi8((__mmask16)((1u << n) - 1), s);
+    const __m512i b = _mm512_cvtepu8_epi32(raw);
+    const __m512i t = _mm512_slli_epi32(b, 23);
+    /* b - 1 >= 254 (unsigned) exactly for b = 0 and b = 255 */
+    const __mmask16 odd = _mm512_cmpge_epu32_mask(_mm512_sub_epi32(b, _mm512_set1_epi32(1)), _mm512_set1_epi32(254));
+    *st = _mm512_castsi512_ps(_mm512_mask_or_epi32(t, odd, t, _mm512_set1_epi32(0x00400000)));
 }
-static inline void bs_dec32p_e2m1(const void *p, bs_vf o[2][BS_G]) {
-    bs_dec16p_e2m1(p, o[0]);
-    bs_dec16p_e2m1((const uint8_t *)p + 8, o[1]);
+static inline bs_vf bs_fp4s_get(const bs_fp4s *st, int qq, int g) {
+    (void)g;
+    const __m512i lb = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    return _mm512_permutexvar_ps(_mm512_add_epi32(lb, _mm512_set1_epi32(4 * qq)), *st);
 }
 
 static inline void bs_store16(float *t, const bs_vf a[BS_G]) { _mm512_storeu_ps(t, a[0]); }

@@ -54,20 +54,43 @@ static inline void bs_dec16_e4m3(const void *p, bs_vf o[BS_G]) {
     bs_f16x8_to_f32(bs_e4m3_to_f16x8(vget_low_u8(b)), &o[0], &o[1]);
     bs_f16x8_to_f32(bs_e4m3_to_f16x8(vget_high_u8(b)), &o[2], &o[3]);
 }
-/* E2M1 values are F16 values with a zero low byte: one table look-up
- * (vqtbl1q) gives the high byte of 16 codes, sign included (code 8 is -0). */
-static inline void bs_dec16_e2m1(const void *p, bs_vf o[BS_G]) {
-    static const uint8_t f16_hi[16] = {0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46,
-                                       0x80, 0xB8, 0xBC, 0xBE, 0xC0, 0xC2, 0xC4, 0xC6};
-    uint8x8_t b = vld1_u8((const uint8_t *)p);
-    uint8x8x2_t z = vzip_u8(vand_u8(b, vdup_n_u8(0x0F)), vshr_n_u8(b, 4));
-    uint8x16_t h = vqtbl1q_u8(vld1q_u8(f16_hi), vcombine_u8(z.val[0], z.val[1]));
-    uint8x16x2_t w = vzipq_u8(vdupq_n_u8(0), h); /* little endian: (0, hi) = hi << 8 */
-    float16x8_t a = vreinterpretq_f16_u8(w.val[0]), c = vreinterpretq_f16_u8(w.val[1]);
-    o[0] = vcvt_f32_f16(vget_low_f16(a));
-    o[1] = vcvt_high_f32_f16(a);
-    o[2] = vcvt_f32_f16(vget_low_f16(c));
-    o[3] = vcvt_high_f32_f16(c);
+/* FP4 chunk (bs_formats.h), lane group g = lanes 4g..4g+3 = bytes 16g..16g+15
+ * = scale block g of the chunk. Table look-ups give each code's f32 bytes 3
+ * and 2 (every E2M1 value is exact in the top 16 bits of an f32), for the
+ * low nibbles (even steps) and the high ones (odd steps); one two-register
+ * look-up per step then puts lane l's pair at the top of f32 lane l. */
+static inline void bs_fp4_steps_of(uint8x16_t d, bs_vf o[8]) {
+    static const uint8_t th[16] = {0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
+                                   0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0};
+    static const uint8_t tl[16] = {0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
+                                   0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0};
+    /* step pair k: bytes 0, 1 out of range (zero), byte 2 = low table at
+     * 4l + k, byte 3 = high table (16 on) at 4l + k */
+    static const uint8_t place[4][16] = {
+        {0xFF, 0xFF, 0, 16, 0xFF, 0xFF, 4, 20, 0xFF, 0xFF, 8, 24, 0xFF, 0xFF, 12, 28},
+        {0xFF, 0xFF, 1, 17, 0xFF, 0xFF, 5, 21, 0xFF, 0xFF, 9, 25, 0xFF, 0xFF, 13, 29},
+        {0xFF, 0xFF, 2, 18, 0xFF, 0xFF, 6, 22, 0xFF, 0xFF, 10, 26, 0xFF, 0xFF, 14, 30},
+        {0xFF, 0xFF, 3, 19, 0xFF, 0xFF, 7, 23, 0xFF, 0xFF, 11, 27, 0xFF, 0xFF, 15, 31},
+    };
+    const uint8x16_t e = vandq_u8(d, vdupq_n_u8(0x0F)), od = vshrq_n_u8(d, 4);
+    const uint8x16_t h = vld1q_u8(th), l = vld1q_u8(tl);
+    const uint8x16x2_t ev = {{vqtbl1q_u8(l, e), vqtbl1q_u8(h, e)}}, ov = {{vqtbl1q_u8(l, od), vqtbl1q_u8(h, od)}};
+    for (int k = 0; k < 4; ++k) {
+        const uint8x16_t idx = vld1q_u8(place[k]);
+        o[2 * k] = vreinterpretq_f32_u8(vqtbl2q_u8(ev, idx));
+        o[2 * k + 1] = vreinterpretq_f32_u8(vqtbl2q_u8(ov, idx));
+    }
+}
+static inline void bs_fp4_steps(const uint8_t *p, int g, bs_vf o[8]) { bs_fp4_steps_of(vld1q_u8(p + 16 * g), o); }
+/* A partial chunk: only its nblk (1..3) blocks are read, the rest is zero. */
+static inline void bs_fp4_steps_part(const uint8_t *p, int g, size_t nblk, bs_vf o[8]) {
+    bs_fp4_steps_of((size_t)g < nblk ? vld1q_u8(p + 16 * g) : vdupq_n_u8(0), o);
+}
+/* Scales of 4 chunks: group g of chunk qq is block g, one broadcast. */
+typedef bs_fp4s_bytes bs_fp4s;
+static inline void bs_fp4s_load(bs_fp4s *st, const uint8_t *s, size_t n) { bs_fp4s_copy(st, s, n); }
+static inline bs_vf bs_fp4s_get(const bs_fp4s *st, int qq, int g) {
+    return vreinterpretq_f32_u32(vld1q_dup_u32(&BS_E8M0_BITS[st->b[4 * qq + g]]));
 }
 
 static inline void bs_store16(float *t, const bs_vf a[BS_G]) { for (int i = 0; i < 4; ++i) vst1q_f32(t + 4 * i, a[i]); }

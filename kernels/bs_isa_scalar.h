@@ -37,10 +37,23 @@ static inline void bs_dec16_bf16(const void *p, bs_vf o[BS_G]) {
 static inline void bs_dec16_e4m3(const void *p, bs_vf o[BS_G]) {
     for (int i = 0; i < 16; ++i) o[i] = bs_e4m3_to_f32(((const uint8_t *)p)[i]);
 }
-/* p points at the 8 bytes holding the 16 codes. */
-static inline void bs_dec16_e2m1(const void *p, bs_vf o[BS_G]) {
-    for (int i = 0; i < 16; ++i) o[i] = bs_e2m1_at((const uint8_t *)p, (size_t)i);
+
+/* FP4 chunk (bs_formats.h): lane g's 8 columns, in order. */
+static inline void bs_fp4_steps(const uint8_t *p, int g, bs_vf o[8]) {
+    for (int k = 0; k < 8; ++k) o[k] = bs_e2m1_at(p + 4 * g, (size_t)k);
 }
+/* A partial chunk: only its nblk (1..3) blocks are read, the rest is zero. */
+static inline void bs_fp4_steps_part(const uint8_t *p, int g, size_t nblk, bs_vf o[8]) {
+    if ((size_t)g / 4 < nblk) {
+        bs_fp4_steps(p, g, o);
+    } else {
+        for (int k = 0; k < 8; ++k) o[k] = 0.0f;
+    }
+}
+/* Scales of 4 chunks; chunk qq's scale for lane g is byte 4 qq + g / 4. */
+typedef bs_fp4s_bytes bs_fp4s;
+static inline void bs_fp4s_load(bs_fp4s *st, const uint8_t *s, size_t n) { bs_fp4s_copy(st, s, n); }
+static inline bs_vf bs_fp4s_get(const bs_fp4s *st, int qq, int g) { return bs_e8m0_to_f32(st->b[4 * qq + g / 4]); }
 
 /* Lane group <-> float[16]. */
 static inline void bs_store16(float *t, const bs_vf a[BS_G]) { for (int i = 0; i < 16; ++i) t[i] = a[i]; }

@@ -49,7 +49,22 @@ pub fn row_dot(m: &Matrix, r: usize, x: &[f32]) -> f32 {
     let cols = m.cols();
     let block = m.format().block_cols();
     let mut acc = [0f32; 16];
-    if block == 0 {
+    if matches!(m.weights(), Weights::Fp4 { .. }) {
+        // 128-column chunks: lane l takes the chunk's columns 8l..8l+7 (all
+        // in block 4q + l/4) into a partial from +0, then one scale FMA. A
+        // lane whose block is past the row's end is left alone. Lanes are
+        // independent, so block by block is the same order.
+        for b in 0..cols / 32 {
+            let q = b / 4;
+            for l in 4 * (b % 4)..4 * (b % 4) + 4 {
+                let mut part = 0f32;
+                for c in 128 * q + 8 * l..128 * q + 8 * l + 8 {
+                    part = weight(m, r, c).mul_add(x[c], part);
+                }
+                acc[l] = part.mul_add(scale(m, r, b), acc[l]);
+            }
+        }
+    } else if block == 0 {
         for c in 0..cols {
             acc[c % 16] = weight(m, r, c).mul_add(x[c], acc[c % 16]);
         }

@@ -147,7 +147,19 @@ fn awkward_shapes(format: Format) -> Vec<(usize, usize)> {
             (200, 300),
             (17, 17),
         ],
-        Format::Fp4 => vec![(1, 32), (7, 96), (33, 160), (2, 2048), (130, 64)],
+        // FP4 takes 128-column chunks, 4 at a time (16 scale bytes): rows
+        // of 1-3 blocks only, a partial last chunk after whole ones, a last
+        // group of 4 with fewer chunks, with and without a partial one.
+        Format::Fp4 => vec![
+            (1, 32),
+            (7, 96),
+            (33, 160),
+            (2, 2048),
+            (130, 64),
+            (3, 224),
+            (9, 640),
+            (4, 2048 + 96),
+        ],
     }
 }
 

@@ -168,7 +168,8 @@ pub struct IsaDesc {
     pub permuted: &'static [&'static str],
     /// Scaled formats whose whole blocks this ISA decodes 64 columns at a
     /// time (its header defines `bs_dec64_<dec>`); the others take 16 or 32.
-    /// Formats with scale blocks under 64 columns (FP4) ignore the entry.
+    /// FP4 ignores both entries: its kernels take whole 128-column chunks
+    /// in every ISA's natural lane order (`bs_fp4_steps`).
     pub chunk64: &'static [&'static str],
     /// How far ahead, in bytes of each row, the scaled-format matrix kernels
     /// prefetch their rows in the order the tiles read them (rows no longer
@@ -213,7 +214,7 @@ impl Isa {
                 cpu_features: &["avx2", "fma", "f16c"],
                 arch: "x86_64",
                 header: "bs_isa_avx2.h",
-                permuted: &["fp4", "fp8", "bf16"],
+                permuted: &["fp8", "bf16"],
                 chunk64: &[],
                 prefetch_ahead: 0,
                 prefetch_locality: 3,
@@ -246,7 +247,7 @@ impl Isa {
                 ],
                 arch: "x86_64",
                 header: "bs_isa_avx512.h",
-                permuted: &["fp4"],
+                permuted: &[],
                 chunk64: &["fp8"],
                 prefetch_ahead: 2048,
                 prefetch_locality: 2,

@@ -77,4 +77,14 @@ static inline simde__m512i bs_emu_maskz_loadu_epi8(simde__mmask64 k, const void 
     return r;
 }
 #define _mm512_maskz_loadu_epi8(k, p) bs_emu_maskz_loadu_epi8((k), (p))
+/* The FP4 kernels' last scale bytes of a row: 16 bytes, likewise. */
+static inline simde__m128i bs_emu_maskz_loadu_epi8_128(simde__mmask16 k, const void *p) {
+    uint8_t v[16] = {0};
+    for (int i = 0; i < 16; ++i)
+        if ((k >> i) & 1) v[i] = ((const uint8_t *)p)[i];
+    simde__m128i r;
+    memcpy(&r, v, 16);
+    return r;
+}
+#define _mm_maskz_loadu_epi8(k, p) bs_emu_maskz_loadu_epi8_128((k), (p))
 #endif
