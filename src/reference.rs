@@ -56,12 +56,12 @@ pub fn row_dot(m: &Matrix, r: usize, x: &[f32]) -> f32 {
         // independent, so block by block is the same order.
         for b in 0..cols / 32 {
             let q = b / 4;
-            for l in 4 * (b % 4)..4 * (b % 4) + 4 {
+            for (l, a) in acc.iter_mut().enumerate().skip(4 * (b % 4)).take(4) {
                 let mut part = 0f32;
-                for c in 128 * q + 8 * l..128 * q + 8 * l + 8 {
-                    part = weight(m, r, c).mul_add(x[c], part);
+                for (c, &xc) in x.iter().enumerate().skip(128 * q + 8 * l).take(8) {
+                    part = weight(m, r, c).mul_add(xc, part);
                 }
-                acc[l] = part.mul_add(scale(m, r, b), acc[l]);
+                *a = part.mul_add(scale(m, r, b), *a);
             }
         }
     } else if block == 0 {
