@@ -67,21 +67,22 @@ static inline simde__m512i bs_emu_maskz_loadu_epi16(simde__mmask32 k, const void
 #define _mm512_shuffle_f32x4(a, b, imm) simde_mm512_shuffle_f32x4((a), (b), (imm))
 #endif
 #define _mm512_maskz_loadu_epi16(k, p) bs_emu_maskz_loadu_epi16((k), (p))
-/* The fp8dot kernels' partial last 64 codes: bytes, likewise. */
+/* The selected bytes of n at p, the others zero (fp8dot's partial last 64
+ * codes, FP4's last 16 scale bytes of a row). */
+static inline void bs_emu_masked_bytes(uint64_t k, const void *p, uint8_t *v, int n) {
+    for (int i = 0; i < n; ++i) v[i] = ((k >> i) & 1) ? ((const uint8_t *)p)[i] : 0;
+}
 static inline simde__m512i bs_emu_maskz_loadu_epi8(simde__mmask64 k, const void *p) {
-    uint8_t v[64] = {0};
-    for (int i = 0; i < 64; ++i)
-        if ((k >> i) & 1) v[i] = ((const uint8_t *)p)[i];
+    uint8_t v[64];
+    bs_emu_masked_bytes(k, p, v, 64);
     simde__m512i r;
     memcpy(&r, v, 64);
     return r;
 }
 #define _mm512_maskz_loadu_epi8(k, p) bs_emu_maskz_loadu_epi8((k), (p))
-/* The FP4 kernels' last scale bytes of a row: 16 bytes, likewise. */
 static inline simde__m128i bs_emu_maskz_loadu_epi8_128(simde__mmask16 k, const void *p) {
-    uint8_t v[16] = {0};
-    for (int i = 0; i < 16; ++i)
-        if ((k >> i) & 1) v[i] = ((const uint8_t *)p)[i];
+    uint8_t v[16];
+    bs_emu_masked_bytes(k, p, v, 16);
     simde__m128i r;
     memcpy(&r, v, 16);
     return r;
