@@ -42,6 +42,14 @@ static const float BS_E2M1[16] = {
     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f,
 };
 
+/* Every E2M1 value is exact in the top 16 bits of an f32: its byte 3 (sign
+ * and exponent) and byte 2, per code, for byte look-ups (AVX2 pshufb, NEON
+ * tbl). */
+static const uint8_t BS_E2M1_F32_B3[16] = {0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
+                                           0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0};
+static const uint8_t BS_E2M1_F32_B2[16] = {0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
+                                           0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0};
+
 /* E2M1 code of column c of a packed row: low nibble = even column. */
 static inline float bs_e2m1_at(const uint8_t *row, size_t c) {
     uint8_t b = row[c >> 1];

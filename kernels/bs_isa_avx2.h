@@ -80,14 +80,8 @@ static inline void bs_tops_to_f32(__m256i u0, __m256i u1, bs_vf o[2][BS_G]) {
  * slot t of each result holds two steps of lane t, split by a shift and a
  * mask (bs_tops_to_f32): all eight steps in lane order. */
 static inline void bs_fp4_steps_of(__m256i raw, bs_vf o[8]) {
-    const __m256i th = _mm256_setr_epi8(0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, (char)0x80, (char)0xBF,
-                                        (char)0xBF, (char)0xBF, (char)0xC0, (char)0xC0, (char)0xC0, (char)0xC0,
-                                        0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, (char)0x80, (char)0xBF,
-                                        (char)0xBF, (char)0xBF, (char)0xC0, (char)0xC0, (char)0xC0, (char)0xC0);
-    const __m256i tl = _mm256_setr_epi8(0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0,
-                                        0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0,
-                                        0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0,
-                                        0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0);
+    const __m256i th = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)BS_E2M1_F32_B3));
+    const __m256i tl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)BS_E2M1_F32_B2));
     const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     const __m256i m = _mm256_set1_epi8(0x0F);

@@ -60,10 +60,6 @@ static inline void bs_dec16_e4m3(const void *p, bs_vf o[BS_G]) {
  * low nibbles (even steps) and the high ones (odd steps); one two-register
  * look-up per step then puts lane l's pair at the top of f32 lane l. */
 static inline void bs_fp4_steps_of(uint8x16_t d, bs_vf o[8]) {
-    static const uint8_t th[16] = {0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
-                                   0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0};
-    static const uint8_t tl[16] = {0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
-                                   0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0};
     /* step pair k: bytes 0, 1 out of range (zero), byte 2 = low table at
      * 4l + k, byte 3 = high table (16 on) at 4l + k */
     static const uint8_t place[4][16] = {
@@ -73,7 +69,7 @@ static inline void bs_fp4_steps_of(uint8x16_t d, bs_vf o[8]) {
         {0xFF, 0xFF, 3, 19, 0xFF, 0xFF, 7, 23, 0xFF, 0xFF, 11, 27, 0xFF, 0xFF, 15, 31},
     };
     const uint8x16_t e = vandq_u8(d, vdupq_n_u8(0x0F)), od = vshrq_n_u8(d, 4);
-    const uint8x16_t h = vld1q_u8(th), l = vld1q_u8(tl);
+    const uint8x16_t h = vld1q_u8(BS_E2M1_F32_B3), l = vld1q_u8(BS_E2M1_F32_B2);
     const uint8x16x2_t ev = {{vqtbl1q_u8(l, e), vqtbl1q_u8(h, e)}}, ov = {{vqtbl1q_u8(l, od), vqtbl1q_u8(h, od)}};
     for (int k = 0; k < 4; ++k) {
         const uint8x16_t idx = vld1q_u8(place[k]);
