@@ -137,6 +137,9 @@ fn awkward_shapes(format: Format) -> Vec<(usize, usize)> {
             (130, 33),
             (64, 64),
             (9, 257),
+            // Rows of 8 KiB and more (BF16): the matmul takes them in blocks
+            // of 16 rows, X put in the permuted order once for all blocks.
+            (40, 4100),
         ],
         Format::Fp8 => vec![
             (1, 1),
