@@ -173,7 +173,7 @@ pub struct NumericsArgs {
     pub fp8_act: crate::bf16act::Bf16Act,
     /// `cuda` builds with a GPU: the VRAM budget in GiB for the weights put
     /// on the GPU (dense matrices first, then the most used routed experts of
-    /// each layer, counted in <model>/.bespoke/expert-usage.json). Default:
+    /// each layer, counted in `<model>/.bespoke/expert-usage.json`). Default:
     /// the GPU's free memory less 1 GiB. 0 keeps every weight on the CPU.
     #[arg(long, value_name = "GB")]
     pub vram: Option<f64>,

@@ -5,13 +5,13 @@
 //! * The residual is `hc_mult` parallel streams (manifold-constrained hyper
 //!   connections). Before each sub-block the streams are collapsed with
 //!   sigmoid weights; after it they are re-expanded and mixed through a
-//!   Sinkhorn-projected (doubly stochastic) matrix. See [`Dsv4Model::hc_weights`].
+//!   Sinkhorn-projected (doubly stochastic) matrix. See `Dsv4Model::hc_weights`.
 //! * Attention is multi-query with one shared K=V head, per-head sink logits,
 //!   interleaved RoPE on the trailing `qk_rope_head_dim` dims (undone on the
 //!   output, because V carries it too), and a grouped low-rank output.
 //! * The keys of a query are its sliding window plus compressed entries: on
 //!   HCA layers every entry emitted so far, on CSA layers the lightning
-//!   indexer's top-k of them. See [`Compressor`] and [`CompState::push`].
+//!   indexer's top-k of them. See `Compressor` and `CompState::push`.
 //! * MoE with sqrt(softplus) scores; the first layers route by a fixed
 //!   token-id table; routed and shared experts both clamp their SwiGLU.
 //!

@@ -429,7 +429,7 @@ fn dsv4_release(cfg: &ModelConfig) -> Vec<Expected> {
 /// Release name → transformers name (the renames of transformers'
 /// deepseek_v4 conversion mapping, plus its FP8 `weight_scale_inv`).
 /// Routed experts are fused in transformers and are not mapped one by one:
-/// see [`dsv4_hf`].
+/// see `dsv4_hf`.
 pub fn dsv4_release_to_hf(name: &str) -> String {
     let top = [
         ("embed.weight", "model.embed_tokens.weight"),
