@@ -690,57 +690,60 @@ fn deepseek_v4_chat_needs_its_special_tokens() {
     assert!(!ok && err.contains("--chat"), "{err}");
 }
 
-/// `--fp4-act q8` (the fp4×q8 kernels for DeepSeek V4's FP4 experts) runs,
-/// says so, changes the logits a little (int8 activations) — less than
-/// DeepSeek's FP8 activations do — and is a no-op, with a note, elsewhere.
-#[test]
-fn fp4_act_q8_flag() {
+/// An activation variant of DeepSeek V4's quantized matrices, `flag value`
+/// (its kernels `label`): on tiny-dsv4 `score` names it under `key`, the
+/// logits move a little — less than DeepSeek's FP8 activations move them —
+/// and `run` says it is not token-exact; on tiny-llama, which has no such
+/// weights, it changes nothing and says so.
+fn check_dsv4_act_variant(flag: &str, value: &str, key: &str, label: &str) {
     let (_, ids) = ref_prompt("tiny-dsv4", 1);
     let score = |extra: &[&str]| {
         let (ok, out, err) = score_last("tiny-dsv4", &ids, extra);
-        assert!(ok, "{err}");
+        assert!(ok, "{extra:?}: {err}");
         last_logits(&out)
     };
     let (v32, l32) = score(&[]);
-    let (vq8, lq8) = score(&["--fp4-act", "q8"]);
+    let (vv, lv) = score(&[flag, value]);
     let (_, lds) = score(&["--numerics", "deepseek"]);
-    assert_eq!(v32["fp4_act"], "f32");
-    assert_eq!(vq8["fp4_act"], "q8");
-    assert!(lq8.iter().all(|x| x.is_finite()));
-    let (dq8, dds) = (max_dist(&l32, &lq8), max_dist(&l32, &lds));
-    assert!(dq8 > 0.0, "int8 activations changed nothing");
+    assert_eq!(v32[key], "f32");
+    assert_eq!(vv[key], value);
+    assert!(lv.iter().all(|x| x.is_finite()));
+    let (dv, dds) = (max_dist(&l32, &lv), max_dist(&l32, &lds));
+    assert!(dv > 0.0, "{flag} {value} changed nothing");
     assert!(
-        dq8 < dds,
-        "fp4×q8 moved the logits by {dq8}, FP8 activations by {dds}"
+        dv < dds,
+        "{label} moved the logits by {dv}, FP8 activations by {dds}"
     );
-    let (ok, _, err) = run(&words(
-        "run --model fixtures/tiny-dsv4 --fp4-act q8 --max-new-tokens 2",
-    ));
+    let two = "--max-new-tokens=2";
+    let (ok, _, err) = run(&["run", "--model", "fixtures/tiny-dsv4", flag, value, two]);
     assert!(
-        ok && err.contains("fp4×q8") && err.contains("not token-exact"),
+        ok && err.contains(label) && err.contains("not token-exact"),
         "{err}"
     );
-    let (ok, _, err) = run(&words("run --fp4-act q8 --max-new-tokens 2"));
+    let (ok, _, err) = run(&["run", "--model", "fixtures/tiny-llama", flag, value, two]);
     assert!(
         ok && err.contains("changes nothing") && !err.contains("not token-exact"),
         "{err}"
     );
+}
+
+/// `--fp4-act q8` (the fp4×q8 kernels for DeepSeek V4's FP4 experts): int8
+/// activations, see check_dsv4_act_variant; any other value is refused.
+#[test]
+fn fp4_act_q8_flag() {
+    check_dsv4_act_variant("--fp4-act", "q8", "fp4_act", "fp4×q8");
     let (ok, _, err) = run(&["run", "--fp4-act", "q4"]);
     assert!(!ok && err.contains("q8"), "{err}");
 }
 
 /// `--fp8-act bf16` (the fp8dot kernels for DeepSeek V4's FP8 dense
-/// matrices) runs where the CPU has AVX512_BF16, says so, changes the logits
-/// a little (BF16 activations) — less than DeepSeek's FP8 activations do —
-/// and is a no-op, with a note, on a model without FP8 weights; where it
-/// cannot run it is a clear error.
+/// matrices): BF16 activations, see check_dsv4_act_variant, where the CPU
+/// has AVX512_BF16; where it cannot run, a clear error.
 #[test]
 fn fp8_act_flag() {
-    let (_, ids) = ref_prompt("tiny-dsv4", 1);
-    let score = |extra: &[&str]| score_last("tiny-dsv4", &ids, extra);
-    let parse = last_logits;
-    let (ok, out, err) = score(&["--fp8-act", "bf16"]);
     if let Err(why) = bespoke::kernels::Kernels::bf16dot_available() {
+        let (_, ids) = ref_prompt("tiny-dsv4", 1);
+        let (ok, _, err) = score_last("tiny-dsv4", &ids, &["--fp8-act", "bf16"]);
         assert!(
             !ok && err.contains("--fp8-act bf16 needs the fp8dot kernels") && err.contains(&why),
             "{err}"
@@ -748,37 +751,7 @@ fn fp8_act_flag() {
         eprintln!("fp8dot not available here ({why}): checked the error");
         return;
     }
-    assert!(ok, "{err}");
-    let (v16, l16) = parse(&out);
-    let (ok, out, err) = score(&[]);
-    assert!(ok, "{err}");
-    let (v32, l32) = parse(&out);
-    let (ok, out, err) = score(&["--numerics", "deepseek"]);
-    assert!(ok, "{err}");
-    let (_, lds) = parse(&out);
-    assert_eq!(v32["fp8_act"], "f32");
-    assert_eq!(v16["fp8_act"], "bf16");
-    assert!(l16.iter().all(|x| x.is_finite()));
-    let (d16, dds) = (max_dist(&l32, &l16), max_dist(&l32, &lds));
-    assert!(d16 > 0.0, "BF16 activations changed nothing");
-    assert!(
-        d16 < dds,
-        "fp8dot moved the logits by {d16}, FP8 activations by {dds}"
-    );
-    let (ok, _, err) = run(&words(
-        "run --model fixtures/tiny-dsv4 --fp8-act bf16 --max-new-tokens 2",
-    ));
-    assert!(
-        ok && err.contains("fp8dot") && err.contains("not token-exact"),
-        "{err}"
-    );
-    let (ok, _, err) = run(&words(
-        "run --model fixtures/tiny-llama --fp8-act bf16 --max-new-tokens 2",
-    ));
-    assert!(
-        ok && err.contains("changes nothing") && !err.contains("fp8dot:"),
-        "{err}"
-    );
+    check_dsv4_act_variant("--fp8-act", "bf16", "fp8_act", "fp8dot");
 }
 
 /// `--bf16-act bf16` (the bf16dot kernels for BF16 matrices) runs where the
