@@ -386,3 +386,21 @@ fn cpu_presets() {
         )
     );
 }
+
+/// A matvec row step above 1 visits the rows of a tile out of order, which
+/// the software prefetch distances (the next tile's row i + MR) do not
+/// follow: no ISA may set both, and every step is at least 1.
+#[test]
+fn matvec_row_step_is_not_combined_with_prefetch() {
+    for isa in plan::ISAS {
+        let d = isa.desc();
+        assert!(d.matvec_row_step >= 1, "{}: matvec_row_step 0", d.name);
+        assert!(
+            d.matvec_row_step == 1 || d.prefetch_ahead == 0,
+            "{}: matvec_row_step {} with prefetch_ahead {}",
+            d.name,
+            d.matvec_row_step,
+            d.prefetch_ahead
+        );
+    }
+}
