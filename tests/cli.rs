@@ -722,7 +722,9 @@ fn check_dsv4_act_variant(flag: &str, value: &str, key: &str, label: &str) {
     );
     let (ok, _, err) = run(&["run", "--model", "fixtures/tiny-llama", flag, value, two]);
     assert!(
-        ok && err.contains("changes nothing") && !err.contains("not token-exact"),
+        ok && err.contains("changes nothing")
+            && !err.contains("not token-exact")
+            && !err.contains(&format!("{label}:")),
         "{err}"
     );
 }
