@@ -140,6 +140,38 @@ static inline void bs_dec32p_e4m3(const void *p, bs_vf o[2][BS_G], bs_chk *chk) 
     bs_tops_to_f32(u0, u1, o);
 }
 
+/* FP8 against x scaled by 2^120 (the "s" tiles, for rows whose every
+ * |x| < 256, so that x * 2^120 is exact and finite). Each code's bits go
+ * straight into an f32's sign, exponent and mantissa fields with no
+ * rebias: w' = ((b << 8) >>arith 4 & 0x87F0) << 16 is w * 2^-120 exactly
+ * for every code but NaN -- normal codes give normal f32s down to 2^-126,
+ * zero and subnormal codes (magnitude 0..7) f32 subnormals m * 2^-129
+ * (= m * 2^-9 * 2^-120) and +-0 -- so w' * x' is the same real number as
+ * w * x and every FMA rounds as the reference's. One operation fewer per 16
+ * codes than bs_dec32p_e4m3 (no bias add), and the check left is for NaN
+ * codes alone (magnitude 127): a running byte maximum of the magnitudes,
+ * two operations per 32 codes where the normal-code test takes four; a
+ * block that holds one is redone with bs_dec16s_e4m3. On a Zen 3 VM, 64
+ * rows x 4096 columns in L2 at 1 thread: 8.4 -> 6.9 cycles per 32 weights,
+ * and no slowdown with 1 code in 50 zero or subnormal, where the normal-code
+ * test redoes nearly every block (2.7 GB/s). */
+typedef __m256i bs_chks; /* max-accumulated code magnitudes */
+static inline bs_chks bs_chks_init(void) { return _mm256_setzero_si256(); }
+static inline int bs_chks_ok(bs_chks c) {
+    return _mm256_movemask_epi8(_mm256_cmpeq_epi8(c, _mm256_set1_epi8(0x7F))) == 0;
+}
+static inline void bs_dec32s_e4m3(const void *p, bs_vf o[2][BS_G], bs_chks *chk) {
+    __m256i b = _mm256_loadu_si256((const __m256i *)p);
+    *chk = _mm256_max_epu8(*chk, _mm256_and_si256(b, _mm256_set1_epi8(0x7F)));
+    b = _mm256_permute4x64_epi64(b, 0xD8); /* columns 0..7, 16..23 | 8..15, 24..31 */
+    __m256i u0 = _mm256_unpacklo_epi8(_mm256_setzero_si256(), b); /* code << 8: columns 0..7 | 8..15 */
+    __m256i u1 = _mm256_unpackhi_epi8(_mm256_setzero_si256(), b); /* columns 16..23 | 24..31 */
+    const __m256i keep = _mm256_set1_epi16((short)0x87F0);
+    u0 = _mm256_and_si256(_mm256_srai_epi16(u0, 4), keep);
+    u1 = _mm256_and_si256(_mm256_srai_epi16(u1, 4), keep);
+    bs_tops_to_f32(u0, u1, o);
+}
+
 /* 16 E4M3 columns, exact for every code, in the BS_LANES_FP8 order. */
 static inline void bs_dec16p_e4m3(const void *p, bs_vf o[BS_G]) {
     bs_vf n[BS_G];
@@ -149,6 +181,14 @@ static inline void bs_dec16p_e4m3(const void *p, bs_vf o[BS_G]) {
     o[0] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ev), 0xD8));
     o[1] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(od), 0xD8));
 }
+/* The same times 2^-120 (exact: E4M3's least magnitude, 2^-9, goes to
+ * 2^-129, an f32 subnormal that holds it), for the "s" tiles' redone
+ * blocks and partial blocks; bs_w1s_e4m3, one column of it. */
+static inline void bs_dec16s_e4m3(const void *p, bs_vf o[BS_G]) {
+    bs_dec16p_e4m3(p, o);
+    for (int g = 0; g < BS_G; ++g) o[g] = _mm256_mul_ps(o[g], _mm256_set1_ps(0x1p-120f));
+}
+static inline float bs_w1s_e4m3(const void *row, size_t c) { return bs_w1_e4m3(row, c) * 0x1p-120f; }
 
 /* BF16: 16 columns as eight 32-bit pairs; the even column of each pair is
  * its low half (shifted up), the odd one its high half (masked in place):

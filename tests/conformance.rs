@@ -7,8 +7,8 @@ mod common;
 
 use bespoke::bf16act::{self, Bf16Act, Bf16X};
 use bespoke::kernels::{
-    AttnArgs, Kernels, Matrix, Weights, ATTN_KERNELS, BF16DOT_KERNELS, COMPILED_ISAS, MAT_KERNELS,
-    Q8_KERNELS,
+    AttnArgs, Kernels, MatKernel, Matrix, Weights, ATTN_KERNELS, BF16DOT_KERNELS, COMPILED_ISAS,
+    MAT_KERNELS, Q8_KERNELS,
 };
 use bespoke::plan::{Format, Isa, FORMATS};
 use bespoke::q8::{Fp4Act, Q8Act};
@@ -255,6 +255,16 @@ fn check_owned(ks: &[Kernels], rng: &mut Rng, o: &Owned, ns: &[usize]) -> usize 
     check_owned_with(ks, rng, o, &x, ns)
 }
 
+/// The kernels a variant has for a matrix: generic, and specialised when
+/// the build made one for the shape.
+fn kernels_for(k: &Kernels, o: &Owned) -> Vec<(&'static str, &'static MatKernel)> {
+    let mut v = vec![("generic", k.mat_kernel_generic(o.format))];
+    if let Some(s) = k.mat_kernel_specialised(o.format, o.rows, o.cols) {
+        v.push(("specialised", s));
+    }
+    v
+}
+
 /// `check_owned` for a given x (the matmul's tokens still random).
 fn check_owned_with(ks: &[Kernels], rng: &mut Rng, o: &Owned, x: &[f32], ns: &[usize]) -> usize {
     let (format, rows, cols) = (o.format, o.rows, o.cols);
@@ -262,24 +272,34 @@ fn check_owned_with(ks: &[Kernels], rng: &mut Rng, o: &Owned, x: &[f32], ns: &[u
     let want = reference::matvec(&m, x);
     let mut checked = 0;
     for k in ks {
-        let mut kernels = vec![("generic", k.mat_kernel_generic(format))];
-        if let Some(s) = k.mat_kernel_specialised(format, rows, cols) {
-            kernels.push(("specialised", s));
-        }
-        for (kind, kern) in kernels {
+        for (kind, kern) in kernels_for(k, o) {
             let mut y = vec![f32::NAN; rows];
             k.matvec_with(kern, &m, x, &mut y).unwrap();
             if let Some((i, a, b)) = first_diff(&y, &want) {
                 panic!("{} {format} {kind} matvec {rows}x{cols}: row {i}: kernel {a:e} ({:#x}), reference {b:e} ({:#x})", k.isa(), a.to_bits(), b.to_bits());
             }
-            for &n in ns {
-                let xs = rng.activations(n * cols);
-                let want_mm = reference::matmul(&m, &xs, n);
-                let mut ys = vec![f32::NAN; n * rows];
-                k.matmul_with(kern, &m, &xs, n, &mut ys).unwrap();
-                if let Some((i, a, b)) = first_diff(&ys, &want_mm) {
-                    panic!("{} {format} {kind} matmul {rows}x{cols} n={n}: token {} row {}: kernel {a:e}, reference {b:e}", k.isa(), i / rows, i % rows);
-                }
+            checked += 1;
+        }
+    }
+    for &n in ns {
+        check_matmul_with(ks, o, &rng.activations(n * cols), n);
+    }
+    checked
+}
+
+/// Matmul of one matrix by given tokens on every variant, generic and
+/// specialised, against the scalar reference, bit for bit.
+fn check_matmul_with(ks: &[Kernels], o: &Owned, xs: &[f32], n: usize) -> usize {
+    let (format, rows, cols) = (o.format, o.rows, o.cols);
+    let m = o.matrix();
+    let want = reference::matmul(&m, xs, n);
+    let mut checked = 0;
+    for k in ks {
+        for (kind, kern) in kernels_for(k, o) {
+            let mut ys = vec![f32::NAN; n * rows];
+            k.matmul_with(kern, &m, xs, n, &mut ys).unwrap();
+            if let Some((i, a, b)) = first_diff(&ys, &want) {
+                panic!("{} {format} {kind} matmul {rows}x{cols} n={n}: token {} row {}: kernel {a:e}, reference {b:e}", k.isa(), i / rows, i % rows);
             }
             checked += 1;
         }
@@ -425,6 +445,59 @@ fn fp8_fast_and_exact_blocks() {
         count += check_owned(&ks, &mut rng, &o, &[1, 2, 3, 8]);
     }
     eprintln!("fp8 normal/special blocks: {count} kernel checks passed");
+}
+
+/// AVX2 takes FP8 rows against x scaled by 2^120 when every |x| < 256 (its
+/// "s" tiles: zero and subnormal codes become f32 subnormals, NaN codes are
+/// redone) and the exact decoder otherwise. Both sides of that bound, with
+/// x as small as an f32 subnormal and as large as the bound allows, must
+/// give the reference's bits.
+#[test]
+fn fp8_scaled_x_bound() {
+    let _tally = FiniteTally::start();
+    let ks = runnable();
+    let mut rng = Rng(11);
+    let below = f32::from_bits(256f32.to_bits() - 1); // the largest f32 under 256
+    let edges = [
+        None,
+        Some(below),
+        Some(-below),
+        Some(256.0),
+        Some(-256.0),
+        Some(f32::INFINITY),
+        Some(f32::NAN),
+    ];
+    let mut count = 0;
+    for (rows, cols, one_in) in [
+        (40, 512, 200),
+        (9, 300, 50),
+        (33, 128, 1 << 40),
+        (5, 48, 20),
+    ] {
+        let o = fp8_mostly_normal(&mut rng, rows, cols, one_in);
+        let mut xs = Vec::new();
+        for edge in edges {
+            // Subnormal values, signed zeros, values up to 255, and the edge.
+            let mut x: Vec<f32> = (0..cols)
+                .map(|c| match c % 7 {
+                    0 => f32::from_bits(1 + rng.below(0x7F_FFFF) as u32),
+                    1 => -0.0,
+                    2 => 0.0,
+                    3 => rng.unit() * 255.0,
+                    _ => rng.unit() * 2.0,
+                })
+                .collect();
+            if let Some(v) = edge {
+                x[cols / 2] = v;
+            }
+            count += check_owned_with(&ks, &mut rng, &o, &x, &[]);
+            xs.extend(x);
+        }
+        // The same vectors as the tokens of one matmul: the first 4-token
+        // tile holds one x at the bound and three under it.
+        count += check_matmul_with(&ks, &o, &xs, edges.len());
+    }
+    eprintln!("fp8 x at the 2^120 scaling bound: {count} kernel checks passed");
 }
 
 /// Rows wider than the kernels' permuted-x buffer (16384 columns) take the
