@@ -106,6 +106,20 @@ static inline float bs_w1_bf16(const void *row, size_t c) { return bs_bf16_to_f3
 static inline float bs_w1_e4m3(const void *row, size_t c) { return bs_e4m3_to_f32(((const uint8_t *)row)[c]); }
 static inline float bs_w1_e2m1(const void *row, size_t c) { return bs_e2m1_at((const uint8_t *)row, c); }
 
+/* ---- FP8 in the matrix kernels' order (templates/matmul.c.tera) ----
+ * Each ISA's bs_dec32p_e4m3 decodes a 32-column chunk as two steps of the
+ * 16 lanes: step h holds column 2l + h of lane l, slot p of each step lane
+ * BS_LANES_FP8[p]. An ISA whose decoder is exact for every code (all but
+ * AVX2, which defines BS_FP8_CHECKED and its own) keeps the lanes in order
+ * and checks nothing: bs_chk_ok is the constant 1, so the kernels' redo of
+ * a block is dead code there. */
+#ifndef BS_FP8_CHECKED
+static const float BS_LANES_FP8[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+typedef int bs_chk;
+static inline bs_chk bs_chk_init(void) { return 1; }
+static inline int bs_chk_ok(bs_chk c) { (void)c; return 1; }
+#endif
+
 /* ---- The fp4×q8 variant (templates/q8.c.tera) ----
  * E2M1 codes times two, as int8: 0 1 2 3 4 6 8 12 and the negatives (code 8,
  * -0, is 0). Every E2M1 value is an integer after doubling, so a block's dot

@@ -2,6 +2,7 @@
 #ifndef BS_ISA_H
 #define BS_ISA_H
 #include <immintrin.h>
+#define BS_FP8_CHECKED /* BS_LANES_FP8, bs_chk: below */
 #include "bs_formats.h"
 
 #define BS_W 8
@@ -38,20 +39,6 @@ static inline bs_vf bs_bf16x8(__m128i h) {
 static inline void bs_dec16_bf16(const void *p, bs_vf o[BS_G]) {
     o[0] = bs_bf16x8(_mm_loadu_si128((const __m128i *)p));
     o[1] = bs_bf16x8(_mm_loadu_si128((const __m128i *)p + 1));
-}
-/* E4M3 -> F16 bits by shifting (every E4M3 value, subnormals included, is
- * an F16 value / 256), NaN codes -> F16 NaN, then F16C converts 8 at a time
- * and one exact multiply by 256 rescales: no f32 subnormal is ever touched. */
-static inline __m256i bs_e4m3_to_f16x16(__m128i b16) {
-    __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b16), 7);        /* s at bit 14, magnitude at 7..13 */
-    t = _mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000))); /* sign to bit 15 */
-    __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(t, _mm256_set1_epi16(0x7FFF)), _mm256_set1_epi16(0x3F80));
-    return _mm256_or_si256(t, _mm256_and_si256(nan, _mm256_set1_epi16(0x7C00)));
-}
-static inline void bs_dec16_e4m3(const void *p, bs_vf o[BS_G]) {
-    __m256i h = bs_e4m3_to_f16x16(_mm_loadu_si128((const __m128i *)p));
-    o[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_set1_ps(256.0f));
-    o[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), _mm256_set1_ps(256.0f));
 }
 /* ---- Permuted lane orders (templates/matmul.c.tera, "permuted" formats) ----
  * Building each f32 straight from its bytes (no F16C, no rescale) leaves the
@@ -116,28 +103,41 @@ static inline bs_vf bs_fp4s_get(const bs_fp4s *st, int qq, int g) {
                                                   _mm256_set1_epi32((int)BS_E8M0_BITS[b[1]]), 0xF0));
 }
 
-/* FP8: every normal E4M3 value is a BF16 value whose bits are the code's
+/* FP8 (bs_formats.h: a 32-column chunk as two steps of the 16 lanes, step
+ * h = column 2l + h). The codes go into 16-bit slots, code << 8, by two
+ * in-lane unpacks: columns 0..7 | 16..23 and 8..15 | 24..31; each 32-bit
+ * pair of slots is one lane's two columns, its even column shifted up (step
+ * 0) and its odd one masked in place (step 1) by bs_tops_to_f32. So slot p
+ * holds lane BS_LANES_FP8[p] (columns 0..7 are lanes 0..3, 16..23 lanes
+ * 8..11), and no lane-crossing shuffle is needed: the c = l (mod 16) order
+ * this replaced took a vpermq per 32 codes, 1.2x the time on a Zen 3 VM. */
+static const float BS_LANES_FP8[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+static inline void bs_e4m3_slots(__m256i b, __m256i *u0, __m256i *u1) {
+    *u0 = _mm256_unpacklo_epi8(_mm256_setzero_si256(), b); /* code << 8: columns 0..7 | 16..23 */
+    *u1 = _mm256_unpackhi_epi8(_mm256_setzero_si256(), b); /* columns 8..15 | 24..31 */
+}
+/* Every normal E4M3 value is a BF16 value whose bits are the code's
  * shifted into place plus an exponent rebias: bf16 = ((b << 8) >>arith 4 &
  * 0x87F0) + 0x3C00 (120 << 7). Zero, subnormals and NaN do not follow that
  * rule; *chk records whether all 32 codes are normal (magnitude 8..126), and
- * a block where one is not is redone with the exact bs_dec16p_e4m3. */
-static const float BS_LANES_FP8[16] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
+ * a block where one is not is redone exactly (the kernels' redo_block). */
 typedef __m256i bs_chk; /* and-accumulated "code is normal" byte masks */
 static inline bs_chk bs_chk_init(void) { return _mm256_set1_epi8(-1); }
 static inline int bs_chk_ok(bs_chk c) { return _mm256_movemask_epi8(c) == -1; }
 
 static inline void bs_dec32p_e4m3(const void *p, bs_vf o[2][BS_G], bs_chk *chk) {
-    __m256i b = _mm256_loadu_si256((const __m256i *)p);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)p);
     /* magnitude + 120 as a signed byte is below -9 exactly for magnitudes 8..126 */
     __m256i v = _mm256_add_epi8(_mm256_and_si256(b, _mm256_set1_epi8(0x7F)), _mm256_set1_epi8(0x78));
     *chk = _mm256_and_si256(*chk, _mm256_cmpgt_epi8(_mm256_set1_epi8(-9), v));
-    b = _mm256_permute4x64_epi64(b, 0xD8); /* columns 0..7, 16..23 | 8..15, 24..31 */
-    __m256i u0 = _mm256_unpacklo_epi8(_mm256_setzero_si256(), b); /* code << 8: columns 0..7 | 8..15 */
-    __m256i u1 = _mm256_unpackhi_epi8(_mm256_setzero_si256(), b); /* columns 16..23 | 24..31 */
+    __m256i u0, u1;
+    bs_e4m3_slots(b, &u0, &u1);
     const __m256i keep = _mm256_set1_epi16((short)0x87F0), bias = _mm256_set1_epi16(0x3C00);
     u0 = _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(u0, 4), keep), bias);
     u1 = _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(u1, 4), keep), bias);
-    bs_tops_to_f32(u0, u1, o);
+    bs_vf t[2][BS_G];
+    bs_tops_to_f32(u0, u1, t);
+    o[0][0] = t[0][0], o[1][0] = t[0][1], o[0][1] = t[1][0], o[1][1] = t[1][1];
 }
 
 /* FP8 against x scaled by 2^120 (the "s" tiles, for rows whose every
@@ -151,43 +151,30 @@ static inline void bs_dec32p_e4m3(const void *p, bs_vf o[2][BS_G], bs_chk *chk) 
  * codes than bs_dec32p_e4m3 (no bias add), and the check left is for NaN
  * codes alone (magnitude 127): a running byte maximum of the magnitudes,
  * two operations per 32 codes where the normal-code test takes four; a
- * block that holds one is redone with bs_dec16s_e4m3. On a Zen 3 VM, 64
- * rows x 4096 columns in L2 at 1 thread: 8.4 -> 6.9 cycles per 32 weights,
- * and no slowdown with 1 code in 50 zero or subnormal, where the normal-code
- * test redoes nearly every block (2.7 GB/s). */
+ * block that holds one is redone. On a Zen 3 VM, 64 rows x 4096 columns in
+ * L2 at 1 thread: 8.4 -> 6.9 cycles per 32 weights (before the lane order
+ * without vpermq), and no slowdown with 1 code in 50 zero or subnormal,
+ * where the normal-code test redoes nearly every block (2.7 GB/s). */
 typedef __m256i bs_chks; /* max-accumulated code magnitudes */
 static inline bs_chks bs_chks_init(void) { return _mm256_setzero_si256(); }
 static inline int bs_chks_ok(bs_chks c) {
     return _mm256_movemask_epi8(_mm256_cmpeq_epi8(c, _mm256_set1_epi8(0x7F))) == 0;
 }
 static inline void bs_dec32s_e4m3(const void *p, bs_vf o[2][BS_G], bs_chks *chk) {
-    __m256i b = _mm256_loadu_si256((const __m256i *)p);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)p);
     *chk = _mm256_max_epu8(*chk, _mm256_and_si256(b, _mm256_set1_epi8(0x7F)));
-    b = _mm256_permute4x64_epi64(b, 0xD8); /* columns 0..7, 16..23 | 8..15, 24..31 */
-    __m256i u0 = _mm256_unpacklo_epi8(_mm256_setzero_si256(), b); /* code << 8: columns 0..7 | 8..15 */
-    __m256i u1 = _mm256_unpackhi_epi8(_mm256_setzero_si256(), b); /* columns 16..23 | 24..31 */
+    __m256i u0, u1;
+    bs_e4m3_slots(b, &u0, &u1);
     const __m256i keep = _mm256_set1_epi16((short)0x87F0);
     u0 = _mm256_and_si256(_mm256_srai_epi16(u0, 4), keep);
     u1 = _mm256_and_si256(_mm256_srai_epi16(u1, 4), keep);
-    bs_tops_to_f32(u0, u1, o);
+    bs_vf t[2][BS_G];
+    bs_tops_to_f32(u0, u1, t);
+    o[0][0] = t[0][0], o[1][0] = t[0][1], o[0][1] = t[1][0], o[1][1] = t[1][1];
 }
-
-/* 16 E4M3 columns, exact for every code, in the BS_LANES_FP8 order. */
-static inline void bs_dec16p_e4m3(const void *p, bs_vf o[BS_G]) {
-    bs_vf n[BS_G];
-    bs_dec16_e4m3(p, n);
-    __m256 ev = _mm256_shuffle_ps(n[0], n[1], _MM_SHUFFLE(2, 0, 2, 0)); /* 0 2 8 10 | 4 6 12 14 */
-    __m256 od = _mm256_shuffle_ps(n[0], n[1], _MM_SHUFFLE(3, 1, 3, 1)); /* 1 3 9 11 | 5 7 13 15 */
-    o[0] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ev), 0xD8));
-    o[1] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(od), 0xD8));
-}
-/* The same times 2^-120 (exact: E4M3's least magnitude, 2^-9, goes to
- * 2^-129, an f32 subnormal that holds it), for the "s" tiles' redone
- * blocks and partial blocks; bs_w1s_e4m3, one column of it. */
-static inline void bs_dec16s_e4m3(const void *p, bs_vf o[BS_G]) {
-    bs_dec16p_e4m3(p, o);
-    for (int g = 0; g < BS_G; ++g) o[g] = _mm256_mul_ps(o[g], _mm256_set1_ps(0x1p-120f));
-}
+/* One column of the same, exactly (w * 2^-120: E4M3's least magnitude,
+ * 2^-9, goes to 2^-129, an f32 subnormal that holds it), for the "s"
+ * tiles' redone blocks and partial chunks. */
 static inline float bs_w1s_e4m3(const void *row, size_t c) { return bs_w1_e4m3(row, c) * 0x1p-120f; }
 
 /* BF16: 16 columns as eight 32-bit pairs; the even column of each pair is

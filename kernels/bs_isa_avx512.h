@@ -71,11 +71,13 @@ static const uint8_t BS_E4M3_BF16_LO[128] = {
     0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
     0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xC0,
 };
-/* Column 16j + l to f32 lane l: byte 2 from the low bytes (index < 64),
- * byte 3 from the high bytes (index | 64); bytes 0 and 1 are masked to 0. */
+/* Step j of the codes (bs_formats.h: chunk j / 2, step j % 2), column
+ * 32 (j / 2) + 2l + j % 2, to f32 lane l: byte 2 from the low bytes (index
+ * < 64), byte 3 from the high bytes (index | 64); bytes 0 and 1 are masked
+ * to 0. */
 static inline __m512i bs_e4m3_place(int j) {
-    const __m512i l = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i c = _mm512_add_epi32(l, _mm512_set1_epi32(16 * j));
+    const __m512i l = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i c = _mm512_add_epi32(l, _mm512_set1_epi32(32 * (j / 2) + j % 2));
     return _mm512_or_si512(_mm512_slli_epi32(c, 16), _mm512_slli_epi32(_mm512_or_si512(c, _mm512_set1_epi32(64)), 24));
 }
 /* The BF16 high bytes (sign included) and low bytes of 64 codes. */
@@ -89,16 +91,19 @@ static inline void bs_e4m3_bf16_bytes(__m512i b, __m512i *hi, __m512i *lo) {
 static inline bs_vf bs_e4m3_group(__m512i hi, __m512i lo, int j) {
     return _mm512_castsi512_ps(_mm512_maskz_permutex2var_epi8(0xCCCCCCCCCCCCCCCCull, lo, bs_e4m3_place(j), hi));
 }
-static inline void bs_dec64_e4m3(const void *p, bs_vf o[4][BS_G]) {
+/* Two FP8 chunks (bs_formats.h), exact for every code. */
+static inline void bs_dec64p_e4m3(const void *p, bs_vf o[4][BS_G], bs_chk *chk) {
+    (void)chk;
     __m512i hi, lo;
     bs_e4m3_bf16_bytes(_mm512_loadu_si512(p), &hi, &lo);
     for (int j = 0; j < 4; ++j) o[j][0] = bs_e4m3_group(hi, lo, j);
 }
-/* 16 codes (lane groups outside whole 64-column chunks). */
-static inline void bs_dec16_e4m3(const void *p, bs_vf o[BS_G]) {
+/* One chunk (a block's chunks outside whole 64-column pairs). */
+static inline void bs_dec32p_e4m3(const void *p, bs_vf o[2][BS_G], bs_chk *chk) {
+    (void)chk;
     __m512i hi, lo;
-    bs_e4m3_bf16_bytes(_mm512_inserti32x4(_mm512_setzero_si512(), _mm_loadu_si128((const __m128i *)p), 0), &hi, &lo);
-    o[0] = bs_e4m3_group(hi, lo, 0);
+    bs_e4m3_bf16_bytes(_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_loadu_si256((const __m256i *)p), 0), &hi, &lo);
+    for (int j = 0; j < 2; ++j) o[j][0] = bs_e4m3_group(hi, lo, j);
 }
 
 /* FP4 chunk (bs_formats.h): 64 bytes, lane l's 4 bytes in f32 lane l. vpermps

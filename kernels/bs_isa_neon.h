@@ -49,10 +49,15 @@ static inline uint16x8_t bs_e4m3_to_f16x8(uint8x8_t b) {
     uint16x8_t nan = vceqq_u16(vandq_u16(t, vdupq_n_u16(0x7FFF)), vdupq_n_u16(0x3F80));
     return vorrq_u16(t, vandq_u16(nan, vdupq_n_u16(0x7C00)));
 }
-static inline void bs_dec16_e4m3(const void *p, bs_vf o[BS_G]) {
-    uint8x16_t b = vld1q_u8((const uint8_t *)p);
-    bs_f16x8_to_f32(bs_e4m3_to_f16x8(vget_low_u8(b)), &o[0], &o[1]);
-    bs_f16x8_to_f32(bs_e4m3_to_f16x8(vget_high_u8(b)), &o[2], &o[3]);
+/* FP8 chunk (bs_formats.h): a de-interleaving load gives the even columns
+ * (step 0) and the odd ones (step 1), each 16 in lane order. */
+static inline void bs_dec32p_e4m3(const void *p, bs_vf o[2][BS_G], bs_chk *chk) {
+    (void)chk;
+    uint8x16x2_t b = vld2q_u8((const uint8_t *)p);
+    for (int h = 0; h < 2; ++h) {
+        bs_f16x8_to_f32(bs_e4m3_to_f16x8(vget_low_u8(b.val[h])), &o[h][0], &o[h][1]);
+        bs_f16x8_to_f32(bs_e4m3_to_f16x8(vget_high_u8(b.val[h])), &o[h][2], &o[h][3]);
+    }
 }
 /* FP4 chunk (bs_formats.h), lane group g = lanes 4g..4g+3 = bytes 16g..16g+15
  * = scale block g of the chunk. Table look-ups give each code's f32 bytes 3

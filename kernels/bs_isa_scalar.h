@@ -34,8 +34,11 @@ static inline void bs_dec16_f32(const void *p, bs_vf o[BS_G]) {
 static inline void bs_dec16_bf16(const void *p, bs_vf o[BS_G]) {
     for (int i = 0; i < 16; ++i) o[i] = bs_bf16_to_f32(((const uint16_t *)p)[i]);
 }
-static inline void bs_dec16_e4m3(const void *p, bs_vf o[BS_G]) {
-    for (int i = 0; i < 16; ++i) o[i] = bs_e4m3_to_f32(((const uint8_t *)p)[i]);
+/* FP8 chunk (bs_formats.h): step h, lane l = column 2l + h. */
+static inline void bs_dec32p_e4m3(const void *p, bs_vf o[2][BS_G], bs_chk *chk) {
+    (void)chk;
+    for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 16; ++l) o[h][l] = bs_e4m3_to_f32(((const uint8_t *)p)[2 * l + h]);
 }
 
 /* FP4 chunk (bs_formats.h): lane g's 8 columns, in order. */

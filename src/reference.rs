@@ -69,10 +69,14 @@ pub fn row_dot(m: &Matrix, r: usize, x: &[f32]) -> f32 {
             acc[c % 16] = weight(m, r, c).mul_add(x[c], acc[c % 16]);
         }
     } else {
+        // FP8, per 128-column scale block: in each 32-column chunk lane l
+        // takes the pair of columns 2l, 2l + 1 (a partial last chunk: the
+        // pairs it has), in column order, into a block partial from +0.
         for b in 0..cols.div_ceil(block) {
             let mut part = [0f32; 16];
             for c in b * block..((b + 1) * block).min(cols) {
-                part[c % 16] = weight(m, r, c).mul_add(x[c], part[c % 16]);
+                let l = (c % 32) / 2;
+                part[l] = weight(m, r, c).mul_add(x[c], part[l]);
             }
             let s = scale(m, r, b);
             for l in 0..16 {
