@@ -165,6 +165,9 @@ pub struct IsaDesc {
     /// defines `BS_LANES_<FMT>` and the `bs_dec*p_*` decoders): the kernels
     /// copy x into that order once per call and put each accumulator back in
     /// the logical order before the reduction, so results stay bit-identical.
+    /// FP8 kernels copy x into their chunks' step order on every ISA; "fp8"
+    /// listed here means the ISA's FP8 decoder is the checked one (AVX2:
+    /// normal codes only, and the "s" tiles against x scaled by 2^120).
     pub permuted: &'static [&'static str],
     /// Scaled formats whose whole blocks this ISA decodes 64 columns at a
     /// time (its header defines `bs_dec64_<dec>`); the others take 16 or 32.
