@@ -74,9 +74,10 @@ pub fn row_dot(m: &Matrix, r: usize, x: &[f32]) -> f32 {
         // pairs it has), in column order, into a block partial from +0.
         for b in 0..cols.div_ceil(block) {
             let mut part = [0f32; 16];
-            for c in b * block..((b + 1) * block).min(cols) {
+            let end = ((b + 1) * block).min(cols);
+            for (c, &xc) in x.iter().enumerate().take(end).skip(b * block) {
                 let l = (c % 32) / 2;
-                part[l] = weight(m, r, c).mul_add(x[c], part[l]);
+                part[l] = weight(m, r, c).mul_add(xc, part[l]);
             }
             let s = scale(m, r, b);
             for l in 0..16 {

@@ -170,7 +170,7 @@ pub struct IsaDesc {
     /// normal codes only, and the "s" tiles against x scaled by 2^120).
     pub permuted: &'static [&'static str],
     /// Scaled formats whose whole blocks this ISA decodes 64 columns at a
-    /// time (its header defines `bs_dec64_<dec>`); the others take 16 or 32.
+    /// time (its header defines `bs_dec64p_<dec>`); the others take 32.
     /// FP4 ignores both entries: its kernels take whole 128-column chunks
     /// in every ISA's natural lane order (`bs_fp4_steps`).
     pub chunk64: &'static [&'static str],
