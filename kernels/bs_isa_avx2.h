@@ -116,6 +116,13 @@ static inline void bs_e4m3_slots(__m256i b, __m256i *u0, __m256i *u1) {
     *u0 = _mm256_unpacklo_epi8(_mm256_setzero_si256(), b); /* code << 8: columns 0..7 | 16..23 */
     *u1 = _mm256_unpackhi_epi8(_mm256_setzero_si256(), b); /* columns 8..15 | 24..31 */
 }
+/* The 16-bit BF16 (or unbiased) values of those slots as f32, by step:
+ * o[h][g], step h of lane group g. */
+static inline void bs_e4m3_steps(__m256i u0, __m256i u1, bs_vf o[2][BS_G]) {
+    bs_vf t[2][BS_G];
+    bs_tops_to_f32(u0, u1, t);
+    o[0][0] = t[0][0], o[1][0] = t[0][1], o[0][1] = t[1][0], o[1][1] = t[1][1];
+}
 /* Every normal E4M3 value is a BF16 value whose bits are the code's
  * shifted into place plus an exponent rebias: bf16 = ((b << 8) >>arith 4 &
  * 0x87F0) + 0x3C00 (120 << 7). Zero, subnormals and NaN do not follow that
@@ -135,9 +142,7 @@ static inline void bs_dec32p_e4m3(const void *p, bs_vf o[2][BS_G], bs_chk *chk) 
     const __m256i keep = _mm256_set1_epi16((short)0x87F0), bias = _mm256_set1_epi16(0x3C00);
     u0 = _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(u0, 4), keep), bias);
     u1 = _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(u1, 4), keep), bias);
-    bs_vf t[2][BS_G];
-    bs_tops_to_f32(u0, u1, t);
-    o[0][0] = t[0][0], o[1][0] = t[0][1], o[0][1] = t[1][0], o[1][1] = t[1][1];
+    bs_e4m3_steps(u0, u1, o);
 }
 
 /* FP8 against x scaled by 2^120 (the "s" tiles, for rows whose every
@@ -168,9 +173,7 @@ static inline void bs_dec32s_e4m3(const void *p, bs_vf o[2][BS_G], bs_chks *chk)
     const __m256i keep = _mm256_set1_epi16((short)0x87F0);
     u0 = _mm256_and_si256(_mm256_srai_epi16(u0, 4), keep);
     u1 = _mm256_and_si256(_mm256_srai_epi16(u1, 4), keep);
-    bs_vf t[2][BS_G];
-    bs_tops_to_f32(u0, u1, t);
-    o[0][0] = t[0][0], o[1][0] = t[0][1], o[0][1] = t[1][0], o[1][1] = t[1][1];
+    bs_e4m3_steps(u0, u1, o);
 }
 /* One column of the same, exactly (w * 2^-120: E4M3's least magnitude,
  * 2^-9, goes to 2^-129, an f32 subnormal that holds it), for the "s"
