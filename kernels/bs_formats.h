@@ -112,12 +112,17 @@ static inline float bs_w1_e2m1(const void *row, size_t c) { return bs_e2m1_at((c
  * BS_LANES_FP8[p]. An ISA whose decoder is exact for every code (all but
  * AVX2, which defines BS_FP8_CHECKED and its own) keeps the lanes in order
  * and checks nothing: bs_chk_ok is the constant 1, so the kernels' redo of
- * a block is dead code there. */
+ * a block is dead code there. A decoder may read the byte before p (AVX2
+ * does); the kernels decode a row's first chunk, where that byte can lie
+ * outside the matrix, with bs_dec32p0_e4m3 (and bs_dec64p0_e4m3), which
+ * read p[0..n-1] only: the same as the plain ones where those do too. */
 #ifndef BS_FP8_CHECKED
 static const float BS_LANES_FP8[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 typedef int bs_chk;
 static inline bs_chk bs_chk_init(void) { return 1; }
 static inline int bs_chk_ok(bs_chk c) { (void)c; return 1; }
+#define bs_dec32p0_e4m3 bs_dec32p_e4m3
+#define bs_dec64p0_e4m3 bs_dec64p_e4m3
 #endif
 
 /* ---- The fp4×q8 variant (templates/q8.c.tera) ----

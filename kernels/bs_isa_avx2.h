@@ -104,53 +104,59 @@ static inline bs_vf bs_fp4s_get(const bs_fp4s *st, int qq, int g) {
 }
 
 /* FP8 (bs_formats.h: a 32-column chunk as two steps of the 16 lanes, step
- * h = column 2l + h). The codes go into 16-bit slots, code << 8, by two
- * in-lane unpacks: columns 0..7 | 16..23 and 8..15 | 24..31; each 32-bit
- * pair of slots is one lane's two columns, its even column shifted up (step
- * 0) and its odd one masked in place (step 1) by bs_tops_to_f32. So slot p
- * holds lane BS_LANES_FP8[p] (columns 0..7 are lanes 0..3, 16..23 lanes
- * 8..11), and no lane-crossing shuffle is needed: the c = l (mod 16) order
- * this replaced took a vpermq per 32 codes, 1.2x the time on a Zen 3 VM. */
-static const float BS_LANES_FP8[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
-static inline void bs_e4m3_slots(__m256i b, __m256i *u0, __m256i *u1) {
-    *u0 = _mm256_unpacklo_epi8(_mm256_setzero_si256(), b); /* code << 8: columns 0..7 | 16..23 */
-    *u1 = _mm256_unpackhi_epi8(_mm256_setzero_si256(), b); /* columns 8..15 | 24..31 */
+ * h = column 2l + h). Two loads put every code in the high byte of a 16-bit
+ * slot with no shuffle: 16-bit slot k of the load at p holds code 2k + 1 in
+ * its high byte (code 2k below it), and of the load at p - 1 code 2k (code
+ * 2k - 1 below it, masked off). A 32-bit pair of slots is then two columns
+ * 2 apart: its low slot, shifted up, and its high one, masked in place
+ * (bs_tops_to_f32), are steps 0 and 1 of lane 2t (columns 4t, 4t + 1) in
+ * group 0 and of lane 2t + 1 (columns 4t + 2, 4t + 3) in group 1. So slot
+ * p holds lane BS_LANES_FP8[p], and no lane-crossing shuffle is needed.
+ * On a Zen 3 VM the shuffle and shift pipes are the FMAs' two: the byte
+ * unpacks this replaced (two per 32 codes, after a vpermq before that) were
+ * 1.08-1.09x the time of the second load.
+ *
+ * The load at p - 1 reads the byte before the chunk, which lies outside the
+ * matrix for the first chunk of its first row: the kernels decode a row's
+ * first chunk (c = 0) with the *0 decoders, which take code 2k into the
+ * high byte by a shift instead. */
+static const float BS_LANES_FP8[16] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
+static inline __m256i bs_e4m3_odd(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline __m256i bs_e4m3_even(const void *p) {
+    return _mm256_loadu_si256((const __m256i *)((const uint8_t *)p - 1));
 }
-/* The 16-bit BF16 (or unbiased) values of those slots as f32, by step:
- * o[h][g], step h of lane group g. */
-static inline void bs_e4m3_steps(__m256i u0, __m256i u1, bs_vf o[2][BS_G]) {
-    bs_vf t[2][BS_G];
-    bs_tops_to_f32(u0, u1, t);
-    o[0][0] = t[0][0], o[1][0] = t[0][1], o[0][1] = t[1][0], o[1][1] = t[1][1];
-}
+static inline __m256i bs_e4m3_even0(__m256i odd) { return _mm256_slli_epi16(odd, 8); }
 /* Every normal E4M3 value is a BF16 value whose bits are the code's
- * shifted into place plus an exponent rebias: bf16 = ((b << 8) >>arith 4 &
- * 0x87F0) + 0x3C00 (120 << 7). Zero, subnormals and NaN do not follow that
- * rule; *chk records whether all 32 codes are normal (magnitude 8..126), and
- * a block where one is not is redone exactly (the kernels' redo_block). */
+ * shifted into place plus an exponent rebias: bf16 = (slot >>arith 4 &
+ * 0x87F0) + 0x3C00 (120 << 7), code in the slot's high byte. Zero,
+ * subnormals and NaN do not follow that rule; *chk records whether all 32
+ * codes are normal (magnitude 8..126), and a block where one is not is
+ * redone exactly (the kernels' redo_block). */
 typedef __m256i bs_chk; /* and-accumulated "code is normal" byte masks */
 static inline bs_chk bs_chk_init(void) { return _mm256_set1_epi8(-1); }
 static inline int bs_chk_ok(bs_chk c) { return _mm256_movemask_epi8(c) == -1; }
-
-static inline void bs_dec32p_e4m3(const void *p, bs_vf o[2][BS_G], bs_chk *chk) {
-    const __m256i b = _mm256_loadu_si256((const __m256i *)p);
+static inline void bs_e4m3_p_of(__m256i even, __m256i odd, bs_vf o[2][BS_G], bs_chk *chk) {
     /* magnitude + 120 as a signed byte is below -9 exactly for magnitudes 8..126 */
-    __m256i v = _mm256_add_epi8(_mm256_and_si256(b, _mm256_set1_epi8(0x7F)), _mm256_set1_epi8(0x78));
+    __m256i v = _mm256_add_epi8(_mm256_and_si256(odd, _mm256_set1_epi8(0x7F)), _mm256_set1_epi8(0x78));
     *chk = _mm256_and_si256(*chk, _mm256_cmpgt_epi8(_mm256_set1_epi8(-9), v));
-    __m256i u0, u1;
-    bs_e4m3_slots(b, &u0, &u1);
     const __m256i keep = _mm256_set1_epi16((short)0x87F0), bias = _mm256_set1_epi16(0x3C00);
-    u0 = _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(u0, 4), keep), bias);
-    u1 = _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(u1, 4), keep), bias);
-    bs_e4m3_steps(u0, u1, o);
+    bs_tops_to_f32(_mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(even, 4), keep), bias),
+                   _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(odd, 4), keep), bias), o);
+}
+static inline void bs_dec32p_e4m3(const void *p, bs_vf o[2][BS_G], bs_chk *chk) {
+    bs_e4m3_p_of(bs_e4m3_even(p), bs_e4m3_odd(p), o, chk);
+}
+static inline void bs_dec32p0_e4m3(const void *p, bs_vf o[2][BS_G], bs_chk *chk) {
+    const __m256i odd = bs_e4m3_odd(p);
+    bs_e4m3_p_of(bs_e4m3_even0(odd), odd, o, chk);
 }
 
 /* FP8 against x scaled by 2^120 (the "s" tiles, for rows whose every
  * |x| < 256, so that x * 2^120 is exact and finite). Each code's bits go
  * straight into an f32's sign, exponent and mantissa fields with no
- * rebias: w' = ((b << 8) >>arith 4 & 0x87F0) << 16 is w * 2^-120 exactly
- * for every code but NaN -- normal codes give normal f32s down to 2^-126,
- * zero and subnormal codes (magnitude 0..7) f32 subnormals m * 2^-129
+ * rebias: w' = (slot >>arith 4 & 0x87F0) << 16 is w * 2^-120 exactly for
+ * every code but NaN -- normal codes give normal f32s down to 2^-126, zero
+ * and subnormal codes (magnitude 0..7) f32 subnormals m * 2^-129
  * (= m * 2^-9 * 2^-120) and +-0 -- so w' * x' is the same real number as
  * w * x and every FMA rounds as the reference's. One operation fewer per 16
  * codes than bs_dec32p_e4m3 (no bias add), and the check left is for NaN
@@ -165,15 +171,17 @@ static inline bs_chks bs_chks_init(void) { return _mm256_setzero_si256(); }
 static inline int bs_chks_ok(bs_chks c) {
     return _mm256_movemask_epi8(_mm256_cmpeq_epi8(c, _mm256_set1_epi8(0x7F))) == 0;
 }
-static inline void bs_dec32s_e4m3(const void *p, bs_vf o[2][BS_G], bs_chks *chk) {
-    const __m256i b = _mm256_loadu_si256((const __m256i *)p);
-    *chk = _mm256_max_epu8(*chk, _mm256_and_si256(b, _mm256_set1_epi8(0x7F)));
-    __m256i u0, u1;
-    bs_e4m3_slots(b, &u0, &u1);
+static inline void bs_e4m3_s_of(__m256i even, __m256i odd, bs_vf o[2][BS_G], bs_chks *chk) {
+    *chk = _mm256_max_epu8(*chk, _mm256_and_si256(odd, _mm256_set1_epi8(0x7F)));
     const __m256i keep = _mm256_set1_epi16((short)0x87F0);
-    u0 = _mm256_and_si256(_mm256_srai_epi16(u0, 4), keep);
-    u1 = _mm256_and_si256(_mm256_srai_epi16(u1, 4), keep);
-    bs_e4m3_steps(u0, u1, o);
+    bs_tops_to_f32(_mm256_and_si256(_mm256_srai_epi16(even, 4), keep), _mm256_and_si256(_mm256_srai_epi16(odd, 4), keep), o);
+}
+static inline void bs_dec32s_e4m3(const void *p, bs_vf o[2][BS_G], bs_chks *chk) {
+    bs_e4m3_s_of(bs_e4m3_even(p), bs_e4m3_odd(p), o, chk);
+}
+static inline void bs_dec32s0_e4m3(const void *p, bs_vf o[2][BS_G], bs_chks *chk) {
+    const __m256i odd = bs_e4m3_odd(p);
+    bs_e4m3_s_of(bs_e4m3_even0(odd), odd, o, chk);
 }
 /* One column of the same, exactly (w * 2^-120: E4M3's least magnitude,
  * 2^-9, goes to 2^-129, an f32 subnormal that holds it), for the "s"
