@@ -115,7 +115,18 @@ static inline float bs_w1_e2m1(const void *row, size_t c) { return bs_e2m1_at((c
  * a block is dead code there. A decoder may read the byte before p (AVX2
  * does); the kernels decode a row's first chunk, where that byte can lie
  * outside the matrix, with bs_dec32p0_e4m3 (and bs_dec64p0_e4m3), which
- * read p[0..n-1] only: the same as the plain ones where those do too. */
+ * read p[0..n-1] only: the same as the plain ones where those do too.
+ * bs_dec32pt_e4m3(p, m, o, chk) decodes a row's last, partial chunk: its m
+ * (1..31) codes at p, the rest taken as code 0x38 (1.0), reading p[0..m-1]
+ * only; BS_FP8_TAIL_COPY does it with a padded copy, for an ISA that has
+ * nothing better. */
+#define BS_FP8_TAIL_COPY(dec, p, m, o, chk)          \
+    do {                                             \
+        uint8_t t_[32];                              \
+        memset(t_, 0x38, sizeof t_);                 \
+        memcpy(t_, (p), (m));                        \
+        dec(t_, (o), (chk));                         \
+    } while (0)
 #ifndef BS_FP8_CHECKED
 static const float BS_LANES_FP8[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 typedef int bs_chk;
@@ -123,6 +134,7 @@ static inline bs_chk bs_chk_init(void) { return 1; }
 static inline int bs_chk_ok(bs_chk c) { (void)c; return 1; }
 #define bs_dec32p0_e4m3 bs_dec32p_e4m3
 #define bs_dec64p0_e4m3 bs_dec64p_e4m3
+#define bs_dec32pt_e4m3(p, m, o, chk) BS_FP8_TAIL_COPY(bs_dec32p_e4m3, p, m, o, chk)
 #endif
 
 /* ---- The fp4×q8 variant (templates/q8.c.tera) ----
