@@ -137,15 +137,25 @@ static inline __m256i bs_e4m3_tail(const void *p, size_t m) {
     const __m256i have = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(m / 4)), dw);
     return _mm256_blendv_epi8(_mm256_set1_epi8(0x38), _mm256_maskload_epi32((const int *)p, have), have);
 }
-#define BS_FP8_TAIL(of, dec, p, m, o, chk)                          \
-    do {                                                            \
-        if ((m) % 4 == 0) {                                         \
-            const __m256i odd_ = bs_e4m3_tail((p), (m));            \
-            of(bs_e4m3_even0(odd_), odd_, (o), (chk));              \
-        } else {                                                    \
-            BS_FP8_TAIL_COPY(dec, p, m, o, chk);                    \
-        }                                                           \
-    } while (0)
+/* The three decoders of path x ("p" or "s", below) from its bs_e4m3_x_of
+ * (even slots, odd slots): a whole chunk (reads p[-1]), a row's first
+ * chunk (0: p[0..31] only) and a row's last, partial one (t). */
+#define BS_E4M3_DECODERS(x, chk_t)                                                             \
+    static inline void bs_dec32##x##_e4m3(const void *p, bs_vf o[2][BS_G], chk_t *chk) {       \
+        bs_e4m3_##x##_of(bs_e4m3_even(p), bs_e4m3_odd(p), o, chk);                             \
+    }                                                                                          \
+    static inline void bs_dec32##x##0_e4m3(const void *p, bs_vf o[2][BS_G], chk_t *chk) {      \
+        const __m256i odd = bs_e4m3_odd(p);                                                    \
+        bs_e4m3_##x##_of(bs_e4m3_even0(odd), odd, o, chk);                                     \
+    }                                                                                          \
+    static inline void bs_dec32##x##t_e4m3(const void *p, size_t m, bs_vf o[2][BS_G], chk_t *chk) { \
+        if (m % 4 == 0) {                                                                      \
+            const __m256i odd = bs_e4m3_tail(p, m);                                            \
+            bs_e4m3_##x##_of(bs_e4m3_even0(odd), odd, o, chk);                                 \
+        } else {                                                                               \
+            BS_FP8_TAIL_COPY(bs_dec32##x##0_e4m3, p, m, o, chk);                               \
+        }                                                                                      \
+    }
 /* Every normal E4M3 value is a BF16 value whose bits are the code's
  * shifted into place plus an exponent rebias: bf16 = (slot >>arith 4 &
  * 0x87F0) + 0x3C00 (120 << 7), code in the slot's high byte. Zero,
@@ -163,16 +173,7 @@ static inline void bs_e4m3_p_of(__m256i even, __m256i odd, bs_vf o[2][BS_G], bs_
     bs_tops_to_f32(_mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(even, 4), keep), bias),
                    _mm256_add_epi16(_mm256_and_si256(_mm256_srai_epi16(odd, 4), keep), bias), o);
 }
-static inline void bs_dec32p_e4m3(const void *p, bs_vf o[2][BS_G], bs_chk *chk) {
-    bs_e4m3_p_of(bs_e4m3_even(p), bs_e4m3_odd(p), o, chk);
-}
-static inline void bs_dec32p0_e4m3(const void *p, bs_vf o[2][BS_G], bs_chk *chk) {
-    const __m256i odd = bs_e4m3_odd(p);
-    bs_e4m3_p_of(bs_e4m3_even0(odd), odd, o, chk);
-}
-static inline void bs_dec32pt_e4m3(const void *p, size_t m, bs_vf o[2][BS_G], bs_chk *chk) {
-    BS_FP8_TAIL(bs_e4m3_p_of, bs_dec32p0_e4m3, p, m, o, chk);
-}
+BS_E4M3_DECODERS(p, bs_chk) /* bs_dec32p_e4m3, bs_dec32p0_e4m3, bs_dec32pt_e4m3 */
 
 /* FP8 against x scaled by 2^120 (the "s" tiles, for rows whose every
  * |x| < 256, so that x * 2^120 is exact and finite). Each code's bits go
@@ -199,16 +200,7 @@ static inline void bs_e4m3_s_of(__m256i even, __m256i odd, bs_vf o[2][BS_G], bs_
     const __m256i keep = _mm256_set1_epi16((short)0x87F0);
     bs_tops_to_f32(_mm256_and_si256(_mm256_srai_epi16(even, 4), keep), _mm256_and_si256(_mm256_srai_epi16(odd, 4), keep), o);
 }
-static inline void bs_dec32s_e4m3(const void *p, bs_vf o[2][BS_G], bs_chks *chk) {
-    bs_e4m3_s_of(bs_e4m3_even(p), bs_e4m3_odd(p), o, chk);
-}
-static inline void bs_dec32s0_e4m3(const void *p, bs_vf o[2][BS_G], bs_chks *chk) {
-    const __m256i odd = bs_e4m3_odd(p);
-    bs_e4m3_s_of(bs_e4m3_even0(odd), odd, o, chk);
-}
-static inline void bs_dec32st_e4m3(const void *p, size_t m, bs_vf o[2][BS_G], bs_chks *chk) {
-    BS_FP8_TAIL(bs_e4m3_s_of, bs_dec32s0_e4m3, p, m, o, chk);
-}
+BS_E4M3_DECODERS(s, bs_chks) /* bs_dec32s_e4m3, bs_dec32s0_e4m3, bs_dec32st_e4m3 */
 /* One column of the same, exactly (w * 2^-120: E4M3's least magnitude,
  * 2^-9, goes to 2^-129, an f32 subnormal that holds it), for the "s"
  * tiles' redone blocks and partial chunks. */
