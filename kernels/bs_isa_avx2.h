@@ -93,6 +93,55 @@ static inline void bs_fp4_steps_part(const uint8_t *p, int g, size_t nblk, bs_vf
     const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(have), dw);
     bs_fp4_steps_of(_mm256_maskload_epi32((const int *)(p + 32 * g), m), o);
 }
+
+/* FP4 for x scaled by 2^-25 (the "c" tiles, IsaDesc::fp4_scaled): each
+ * weight as w * 2^25, an integer converted to f32. One pshufb per 32 codes
+ * looks up each nibble's 2w as an int8 (BS_E2M1_X2) and leaves it in the
+ * nibble's byte: bs_fp4c holds, per lane group, the low nibbles (steps 0,
+ * 2, 4, 6 of each lane: byte i of lane t's dword is step 2i) and the high
+ * ones (steps 1, 3, 5, 7). Step k is then one pshufb that moves byte k / 2
+ * of each dword to its top byte with zeros below, and vcvtdq2ps: 2w * 2^24,
+ * exact. Against the look-up and unpack decoder above (bs_fp4_steps) it
+ * issues 11 shuffles and shifts per 64 weights where that one issues 14, and
+ * its 8 conversions go to the two pipes the FMAs and shuffles do not use
+ * on a Zen 3; it also leaves the steps packed, 4 registers per chunk, until
+ * each step is taken, so a chunk's two lane groups can run their FMA
+ * chains side by side without spilling. The kernels use it when every x is
+ * 0 or finite with |x| >= 2^-101 (fp4_x_scalable), so that x * 2^-25 is
+ * exact: the products w * 2^25 * x * 2^-25 are then the reference's own. */
+#define BS_FP4C_XSCALE 0x1p-25f
+typedef struct {
+    __m256i v[BS_G][2]; /* [lane group][0: low nibbles (even steps), 1: high] */
+} bs_fp4c;
+static inline void bs_fp4c_of(__m256i raw, __m256i v[2]) {
+    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)BS_E2M1_X2));
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    v[0] = _mm256_shuffle_epi8(t, _mm256_and_si256(raw, m));
+    v[1] = _mm256_shuffle_epi8(t, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m));
+}
+static inline void bs_fp4c_load(const uint8_t *p, bs_fp4c *c) {
+    for (int g = 0; g < BS_G; ++g) bs_fp4c_of(_mm256_loadu_si256((const __m256i *)(p + 32 * g)), c->v[g]);
+}
+/* A partial chunk: its nblk (1..3) blocks by masked loads, the rest zero. */
+static inline void bs_fp4c_load_part(const uint8_t *p, size_t nblk, bs_fp4c *c) {
+    const __m256i dw = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int g = 0; g < BS_G; ++g) {
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(4 * nblk) - 8 * g), dw);
+        bs_fp4c_of(_mm256_maskload_epi32((const int *)(p + 32 * g), m), c->v[g]);
+    }
+}
+/* pshufb controls: byte i of each dword to its top byte, zeros below. */
+#define BS_FP4C_SEL_DW(b) ((int32_t)(0x00808080u | ((uint32_t)(b) << 24)))
+#define BS_FP4C_SEL(i)                                                                              \
+    {BS_FP4C_SEL_DW(i), BS_FP4C_SEL_DW(i + 4), BS_FP4C_SEL_DW(i + 8), BS_FP4C_SEL_DW(i + 12),    \
+     BS_FP4C_SEL_DW(i), BS_FP4C_SEL_DW(i + 4), BS_FP4C_SEL_DW(i + 8), BS_FP4C_SEL_DW(i + 12)}
+static const int32_t BS_FP4C_SELS[4][8] __attribute__((aligned(32))) = {
+    BS_FP4C_SEL(0), BS_FP4C_SEL(1), BS_FP4C_SEL(2), BS_FP4C_SEL(3)};
+/* Step k (0..7) of lane group g, lanes in order: w * 2^25. */
+static inline bs_vf bs_fp4c_step(const bs_fp4c *c, int g, int k) {
+    const __m256i sel = _mm256_load_si256((const __m256i *)BS_FP4C_SELS[k / 2]);
+    return _mm256_cvtepi32_ps(_mm256_shuffle_epi8(c->v[g][k & 1], sel));
+}
 /* Scales of 4 chunks: group g of chunk qq covers blocks 2g and 2g + 1, each
  * broadcast from the f32 table and blended. */
 typedef bs_fp4s_bytes bs_fp4s;

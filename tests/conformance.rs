@@ -500,6 +500,68 @@ fn fp8_scaled_x_bound() {
     eprintln!("fp8 x at the 2^120 scaling bound: {count} kernel checks passed");
 }
 
+/// The FP4 "_c" tiles (AVX2): weights as w * 2^25 against x * 2^-25, taken
+/// when every x is 0 or finite with |x| >= 2^-101. The usual activations
+/// hold subnormals and take the other tiles, so here x has none: ordinary
+/// values, signed zeros, values near 1e6; or all of it tiny (down to the
+/// bound itself, where a scaling one step too far would lose bits); or
+/// nearly all zeros. Each also with one value at the edge of the bound
+/// (2^-101, the float under it, a subnormal, infinity, NaN). Shapes: partial chunks, a row over the
+/// 16384-column x buffer (x copied inside the tile), the build's FP4 shapes.
+#[test]
+fn fp4_scaled_x_bound() {
+    let _tally = FiniteTally::start();
+    let ks = runnable();
+    let mut rng = Rng(12);
+    let bound = 2f32.powi(-101);
+    let under = f32::from_bits(bound.to_bits() - 1);
+    let edges = [
+        None,
+        Some(bound),
+        Some(-bound),
+        Some(under),
+        Some(f32::from_bits(3)),
+        Some(f32::INFINITY),
+        Some(f32::NAN),
+    ];
+    let mut shapes = vec![(5, 32), (9, 160), (33, 128), (40, 512), (3, 16384 + 128)];
+    shapes.extend(specialised_shapes(Format::Fp4));
+    let mut count = 0;
+    for (rows, cols) in shapes {
+        let o = Owned::random(&mut rng, Format::Fp4, rows, cols);
+        // 0: ordinary, 1: tiny, 2: zeros but the edge and a few tiny ones
+        // (so that the edge's own products reach the output).
+        for kind in 0..3 {
+            let mut xs = Vec::new();
+            for edge in edges {
+                let mut x: Vec<f32> = (0..cols)
+                    .map(|c| match (kind, c % 6) {
+                        (_, 0) => 0.0,
+                        (_, 1) => -0.0,
+                        (0, 2) => rng.unit() * 1e6,
+                        (0, _) => rng.unit() * 4.0,
+                        (2, _) if rng.below(64) != 0 => 0.0,
+                        _ => {
+                            let m = 1.0 + rng.below(8) as f32 / 8.0;
+                            let s = if rng.below(2) == 0 { 1.0 } else { -1.0 };
+                            s * m * bound * (1u32 << rng.below(4)) as f32
+                        }
+                    })
+                    .collect();
+                if let Some(v) = edge {
+                    x[cols / 2] = v;
+                }
+                count += check_owned_with(&ks, &mut rng, &o, &x, &[]);
+                xs.extend(x);
+            }
+            // The same vectors as the tokens of one matmul: its 2-token
+            // tiles pair vectors on both sides of the bound.
+            count += check_matmul_with(&ks, &o, &xs, edges.len());
+        }
+    }
+    eprintln!("fp4 x at the 2^-25 scaling bound: {count} kernel checks passed");
+}
+
 /// Rows wider than the kernels' permuted-x buffer (16384 columns) take the
 /// logical-order path; it must give the same bits.
 #[test]

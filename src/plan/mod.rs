@@ -174,6 +174,11 @@ pub struct IsaDesc {
     /// FP4 ignores both entries: its kernels take whole 128-column chunks
     /// in every ISA's natural lane order (`bs_fp4_steps`).
     pub chunk64: &'static [&'static str],
+    /// Whether the ISA header has the FP4 decoder for x scaled by 2^-25
+    /// (`bs_fp4c_*`: each weight as the integer 2w times 2^24, converted):
+    /// the FP4 kernels then also have "c" tiles, taken when every x is 0 or
+    /// finite with |x| >= 2^-101, so that x * 2^-25 is exact.
+    pub fp4_scaled: bool,
     /// How far ahead, in bytes of each row, the scaled-format matrix kernels
     /// prefetch their rows in the order the tiles read them (rows no longer
     /// than this: the next tile's rows); 0: none, the hardware prefetcher is
@@ -211,6 +216,7 @@ impl Isa {
                 header: "bs_isa_scalar.h",
                 permuted: &[],
                 chunk64: &[],
+                fp4_scaled: false,
                 prefetch_ahead: 0,
                 prefetch_locality: 3,
                 matvec_row_step: 1,
@@ -227,6 +233,7 @@ impl Isa {
                 header: "bs_isa_avx2.h",
                 permuted: &["fp8", "bf16"],
                 chunk64: &[],
+                fp4_scaled: true,
                 prefetch_ahead: 0,
                 prefetch_locality: 3,
                 // 4 KiB rows (BF16 4096 x 2048) streamed at 1 thread on a Zen 3 VM:
@@ -265,6 +272,7 @@ impl Isa {
                 header: "bs_isa_avx512.h",
                 permuted: &[],
                 chunk64: &["fp8"],
+                fp4_scaled: false,
                 prefetch_ahead: 2048,
                 prefetch_locality: 2,
                 matvec_row_step: 1,
@@ -281,6 +289,7 @@ impl Isa {
                 header: "bs_isa_neon.h",
                 permuted: &[],
                 chunk64: &[],
+                fp4_scaled: false,
                 prefetch_ahead: 0,
                 prefetch_locality: 3,
                 matvec_row_step: 1,
