@@ -475,29 +475,41 @@ fn fp8_scaled_x_bound() {
         (5, 48, 20),
     ] {
         let o = fp8_mostly_normal(&mut rng, rows, cols, one_in);
-        let mut xs = Vec::new();
-        for edge in edges {
-            // Subnormal values, signed zeros, values up to 255, and the edge.
-            let mut x: Vec<f32> = (0..cols)
-                .map(|c| match c % 7 {
-                    0 => f32::from_bits(1 + rng.below(0x7F_FFFF) as u32),
-                    1 => -0.0,
-                    2 => 0.0,
-                    3 => rng.unit() * 255.0,
-                    _ => rng.unit() * 2.0,
-                })
-                .collect();
-            if let Some(v) = edge {
-                x[cols / 2] = v;
-            }
-            count += check_owned_with(&ks, &mut rng, &o, &x, &[]);
-            xs.extend(x);
-        }
-        // The same vectors as the tokens of one matmul: the first 4-token
-        // tile holds one x at the bound and three under it.
-        count += check_matmul_with(&ks, &o, &xs, edges.len());
+        // Subnormal values, signed zeros, values up to 255, and the edge.
+        // (The matmul's first 4-token tile holds one x at the bound and
+        // three under it.)
+        count += check_x_edges(&ks, &mut rng, &o, &edges, |rng, c| match c % 7 {
+            0 => f32::from_bits(1 + rng.below(0x7F_FFFF) as u32),
+            1 => -0.0,
+            2 => 0.0,
+            3 => rng.unit() * 255.0,
+            _ => rng.unit() * 2.0,
+        });
     }
     eprintln!("fp8 x at the 2^120 scaling bound: {count} kernel checks passed");
+}
+
+/// One x per edge (`value(rng, column)`, then the edge, if any, at the
+/// middle column), each as a matvec, then all of them as the tokens of one
+/// matmul, on every variant against the reference.
+fn check_x_edges(
+    ks: &[Kernels],
+    rng: &mut Rng,
+    o: &Owned,
+    edges: &[Option<f32>],
+    mut value: impl FnMut(&mut Rng, usize) -> f32,
+) -> usize {
+    let mut count = 0;
+    let mut xs = Vec::new();
+    for edge in edges {
+        let mut x: Vec<f32> = (0..o.cols).map(|c| value(rng, c)).collect();
+        if let Some(v) = edge {
+            x[o.cols / 2] = *v;
+        }
+        count += check_owned_with(ks, rng, o, &x, &[]);
+        xs.extend(x);
+    }
+    count + check_matmul_with(ks, o, &xs, edges.len())
 }
 
 /// The FP4 "_c" tiles (AVX2): weights as w * 2^25 against x * 2^-25, taken
@@ -531,32 +543,21 @@ fn fp4_scaled_x_bound() {
         let o = Owned::random(&mut rng, Format::Fp4, rows, cols);
         // 0: ordinary, 1: tiny, 2: zeros but the edge and a few tiny ones
         // (so that the edge's own products reach the output).
+        // (The matmul's 2-token tiles pair vectors on both sides of the
+        // bound.)
         for kind in 0..3 {
-            let mut xs = Vec::new();
-            for edge in edges {
-                let mut x: Vec<f32> = (0..cols)
-                    .map(|c| match (kind, c % 6) {
-                        (_, 0) => 0.0,
-                        (_, 1) => -0.0,
-                        (0, 2) => rng.unit() * 1e6,
-                        (0, _) => rng.unit() * 4.0,
-                        (2, _) if rng.below(64) != 0 => 0.0,
-                        _ => {
-                            let m = 1.0 + rng.below(8) as f32 / 8.0;
-                            let s = if rng.below(2) == 0 { 1.0 } else { -1.0 };
-                            s * m * bound * (1u32 << rng.below(4)) as f32
-                        }
-                    })
-                    .collect();
-                if let Some(v) = edge {
-                    x[cols / 2] = v;
+            count += check_x_edges(&ks, &mut rng, &o, &edges, |rng, c| match (kind, c % 6) {
+                (_, 0) => 0.0,
+                (_, 1) => -0.0,
+                (0, 2) => rng.unit() * 1e6,
+                (0, _) => rng.unit() * 4.0,
+                (2, _) if rng.below(64) != 0 => 0.0,
+                _ => {
+                    let m = 1.0 + rng.below(8) as f32 / 8.0;
+                    let s = if rng.below(2) == 0 { 1.0 } else { -1.0 };
+                    s * m * bound * (1u32 << rng.below(4)) as f32
                 }
-                count += check_owned_with(&ks, &mut rng, &o, &x, &[]);
-                xs.extend(x);
-            }
-            // The same vectors as the tokens of one matmul: its 2-token
-            // tiles pair vectors on both sides of the bound.
-            count += check_matmul_with(&ks, &o, &xs, edges.len());
+            });
         }
     }
     eprintln!("fp4 x at the 2^-25 scaling bound: {count} kernel checks passed");
