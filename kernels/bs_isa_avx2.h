@@ -85,13 +85,16 @@ static inline void bs_fp4_steps_of(__m256i raw, bs_vf o[8]) {
 static inline void bs_fp4_steps(const uint8_t *p, int g, bs_vf o[8]) {
     bs_fp4_steps_of(_mm256_loadu_si256((const __m256i *)(p + 32 * g)), o);
 }
-/* A partial chunk: only its nblk (1..3) blocks are read (a masked load of
- * whole dwords), the rest is zero. */
-static inline void bs_fp4_steps_part(const uint8_t *p, int g, size_t nblk, bs_vf o[8]) {
+/* Lane group g of a partial chunk: only its nblk (1..3) blocks are read (a
+ * masked load of whole dwords), the rest is zero. */
+static inline __m256i bs_fp4_load_part(const uint8_t *p, int g, size_t nblk) {
     const __m256i dw = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const int have = (int)(4 * nblk) - 8 * g; /* dwords of this group's 8 that exist */
     const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(have), dw);
-    bs_fp4_steps_of(_mm256_maskload_epi32((const int *)(p + 32 * g), m), o);
+    return _mm256_maskload_epi32((const int *)(p + 32 * g), m);
+}
+static inline void bs_fp4_steps_part(const uint8_t *p, int g, size_t nblk, bs_vf o[8]) {
+    bs_fp4_steps_of(bs_fp4_load_part(p, g, nblk), o);
 }
 
 /* FP4 for x scaled by 2^-25 (the "c" tiles, IsaDesc::fp4_scaled): each
@@ -122,13 +125,9 @@ static inline void bs_fp4c_of(__m256i raw, __m256i v[2]) {
 static inline void bs_fp4c_load(const uint8_t *p, bs_fp4c *c) {
     for (int g = 0; g < BS_G; ++g) bs_fp4c_of(_mm256_loadu_si256((const __m256i *)(p + 32 * g)), c->v[g]);
 }
-/* A partial chunk: its nblk (1..3) blocks by masked loads, the rest zero. */
+/* A partial chunk: its nblk (1..3) blocks, the rest zero. */
 static inline void bs_fp4c_load_part(const uint8_t *p, size_t nblk, bs_fp4c *c) {
-    const __m256i dw = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int g = 0; g < BS_G; ++g) {
-        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(4 * nblk) - 8 * g), dw);
-        bs_fp4c_of(_mm256_maskload_epi32((const int *)(p + 32 * g), m), c->v[g]);
-    }
+    for (int g = 0; g < BS_G; ++g) bs_fp4c_of(bs_fp4_load_part(p, g, nblk), c->v[g]);
 }
 /* pshufb controls: byte i of each dword to its top byte, zeros below. */
 #define BS_FP4C_SEL_DW(b) ((int32_t)(0x00808080u | ((uint32_t)(b) << 24)))
