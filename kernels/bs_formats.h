@@ -105,6 +105,10 @@ static inline float bs_w1_f32(const void *row, size_t c) { return ((const float 
 static inline float bs_w1_bf16(const void *row, size_t c) { return bs_bf16_to_f32(((const uint16_t *)row)[c]); }
 static inline float bs_w1_e4m3(const void *row, size_t c) { return bs_e4m3_to_f32(((const uint8_t *)row)[c]); }
 static inline float bs_w1_e2m1(const void *row, size_t c) { return bs_e2m1_at((const uint8_t *)row, c); }
+/* An FP8 column times 2^-120, exactly (E4M3's least magnitude, 2^-9, goes
+ * to 2^-129, an f32 subnormal that holds it), for the FP8 "s" tiles'
+ * redone blocks and partial chunks (the ISAs with fp8_scaled). */
+static inline float bs_w1s_e4m3(const void *row, size_t c) { return bs_w1_e4m3(row, c) * 0x1p-120f; }
 
 /* ---- FP8 in the matrix kernels' order (templates/matmul.c.tera) ----
  * Each ISA's bs_dec32p_e4m3 decodes a 32-column chunk as two steps of the

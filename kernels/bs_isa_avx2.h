@@ -4,6 +4,7 @@
 #include <immintrin.h>
 #define BS_FP8_CHECKED /* BS_LANES_FP8, bs_chk: below */
 #include "bs_formats.h"
+#include "bs_x86_xt.h"
 
 #define BS_W 8
 #define BS_G 2
@@ -136,34 +137,6 @@ static inline void bs_fp4c_load_part(const uint8_t *p, size_t nblk, bs_fp4c *c) 
      BS_FP4C_SEL_DW(i), BS_FP4C_SEL_DW(i + 4), BS_FP4C_SEL_DW(i + 8), BS_FP4C_SEL_DW(i + 12)}
 static const int32_t BS_FP4C_SELS[4][8] __attribute__((aligned(32))) = {
     BS_FP4C_SEL(0), BS_FP4C_SEL(1), BS_FP4C_SEL(2), BS_FP4C_SEL(3)};
-/* x of one whole FP4 chunk into its step order, times m: t[16k + l] =
- * x[8l + k] * m, as two 8 x 8 transposes (the kernels' fp4_xt; the plain
- * loop it replaces took about 3500 cycles per 4096 columns on a Zen 3, this
- * about 1000, once per call and so per 128 rows a thread takes at a time). */
-#define BS_FP4_XT_CHUNK
-static inline void bs_fp4_xt_chunk(const float *x, float *t, float m) {
-    const __m256 mv = _mm256_set1_ps(m);
-    for (int h = 0; h < 2; ++h) {
-        __m256 r[8], u[8], v[8];
-        for (int i = 0; i < 8; ++i) r[i] = _mm256_mul_ps(_mm256_loadu_ps(x + 64 * h + 8 * i), mv);
-        /* u: pairs of rows interleaved; v: columns k and k + 4 of 4 rows. */
-        for (int i = 0; i < 8; i += 2) {
-            u[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-            u[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-        }
-        for (int i = 0; i < 8; i += 4) {
-            v[i] = _mm256_shuffle_ps(u[i], u[i + 2], 0x44);
-            v[i + 1] = _mm256_shuffle_ps(u[i], u[i + 2], 0xEE);
-            v[i + 2] = _mm256_shuffle_ps(u[i + 1], u[i + 3], 0x44);
-            v[i + 3] = _mm256_shuffle_ps(u[i + 1], u[i + 3], 0xEE);
-        }
-        for (int k = 0; k < 4; ++k) {
-            _mm256_storeu_ps(t + 16 * k + 8 * h, _mm256_permute2f128_ps(v[k], v[4 + k], 0x20));
-            _mm256_storeu_ps(t + 16 * (k + 4) + 8 * h, _mm256_permute2f128_ps(v[k], v[4 + k], 0x31));
-        }
-    }
-}
-
 /* Step k (0..7) of lane group g, lanes in order: w * 2^25. */
 static inline bs_vf bs_fp4c_step(const bs_fp4c *c, int g, int k) {
     const __m256i sel = _mm256_load_si256((const __m256i *)BS_FP4C_SELS[k / 2]);
@@ -266,6 +239,26 @@ BS_E4M3_DECODERS(p, bs_chk) /* bs_dec32p_e4m3, bs_dec32p0_e4m3, bs_dec32pt_e4m3 
  * L2 at 1 thread: 8.4 -> 6.9 cycles per 32 weights (before the lane order
  * without vpermq), and no slowdown with 1 code in 50 zero or subnormal,
  * where the normal-code test redoes nearly every block (2.7 GB/s). */
+/* x of one whole FP8 chunk in its step order, times m: xp[16h + s] =
+ * x[2 LANES[s] + h] * m (the kernels' permute_x), that is out_k[i] =
+ * x[4i + k] in the order out_0, out_2, out_1, out_3: each 8-column load's
+ * pairs (x[4i + k], x[4i + 4 + k]) gathered by one permute, then a 4 x 4
+ * transpose of those pairs. The plain loop it replaces is not vectorized. */
+#define BS_FP8_XP_CHUNK
+static inline void bs_fp8_xp_chunk(const float *x, float *xp, float m) {
+    const __m256 mv = _mm256_set1_ps(m);
+    const __m256i pairs = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256d p[4];
+    for (int j = 0; j < 4; ++j)
+        p[j] = _mm256_castps_pd(_mm256_permutevar8x32_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), mv), pairs));
+    /* lo: pairs k = 0 (low 128) and 2 (high) of two loads; hi: k = 1 and 3 */
+    const __m256d lo01 = _mm256_unpacklo_pd(p[0], p[1]), hi01 = _mm256_unpackhi_pd(p[0], p[1]);
+    const __m256d lo23 = _mm256_unpacklo_pd(p[2], p[3]), hi23 = _mm256_unpackhi_pd(p[2], p[3]);
+    _mm256_storeu_pd((double *)xp, _mm256_permute2f128_pd(lo01, lo23, 0x20));       /* out_0 */
+    _mm256_storeu_pd((double *)(xp + 8), _mm256_permute2f128_pd(lo01, lo23, 0x31)); /* out_2 */
+    _mm256_storeu_pd((double *)(xp + 16), _mm256_permute2f128_pd(hi01, hi23, 0x20)); /* out_1 */
+    _mm256_storeu_pd((double *)(xp + 24), _mm256_permute2f128_pd(hi01, hi23, 0x31)); /* out_3 */
+}
 typedef __m256i bs_chks; /* max-accumulated code magnitudes */
 static inline bs_chks bs_chks_init(void) { return _mm256_setzero_si256(); }
 static inline int bs_chks_ok(bs_chks c) {
@@ -277,10 +270,6 @@ static inline void bs_e4m3_s_of(__m256i even, __m256i odd, bs_vf o[2][BS_G], bs_
     bs_tops_to_f32(_mm256_and_si256(_mm256_srai_epi16(even, 4), keep), _mm256_and_si256(_mm256_srai_epi16(odd, 4), keep), o);
 }
 BS_E4M3_DECODERS(s, bs_chks) /* bs_dec32s_e4m3, bs_dec32s0_e4m3, bs_dec32st_e4m3 */
-/* One column of the same, exactly (w * 2^-120: E4M3's least magnitude,
- * 2^-9, goes to 2^-129, an f32 subnormal that holds it), for the "s"
- * tiles' redone blocks and partial chunks. */
-static inline float bs_w1s_e4m3(const void *row, size_t c) { return bs_w1_e4m3(row, c) * 0x1p-120f; }
 
 /* BF16: 16 columns as eight 32-bit pairs; the even column of each pair is
  * its low half (shifted up), the odd one its high half (masked in place):

@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #endif
 #include "bs_formats.h"
+#include "bs_x86_xt.h"
 
 #define BS_W 16
 #define BS_G 1
@@ -104,6 +105,75 @@ static inline void bs_dec32p_e4m3(const void *p, bs_vf o[2][BS_G], bs_chk *chk) 
     __m512i hi, lo;
     bs_e4m3_bf16_bytes(_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_loadu_si256((const __m256i *)p), 0), &hi, &lo);
     for (int j = 0; j < 2; ++j) o[j][0] = bs_e4m3_group(hi, lo, j);
+}
+
+/* x of one whole FP8 chunk in its step order, times m: xp[16h + l] =
+ * x[2l + h] * m (the kernels' permute_x; lanes in order here), by two
+ * two-source permutes where the plain loop is not vectorized (about 5000
+ * TSC ticks per 4096 columns on a Zen 4, once per call and so per 128 rows
+ * a thread takes at a time). */
+#define BS_FP8_XP_CHUNK
+static inline void bs_fp8_xp_chunk(const float *x, float *xp, float m) {
+    const __m512 mv = _mm512_set1_ps(m);
+    const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x), mv), b = _mm512_mul_ps(_mm512_loadu_ps(x + 16), mv);
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    _mm512_storeu_ps(xp, _mm512_permutex2var_ps(a, ev, b));
+    _mm512_storeu_ps(xp + 16, _mm512_permutex2var_ps(a, _mm512_add_epi32(ev, _mm512_set1_epi32(1)), b));
+}
+/* FP8 against x scaled by 2^120 (the "s" tiles, for rows whose every |x| <
+ * 256; see bs_isa_avx2.h for why w' * x' rounds as w * x). A 16-bit slot
+ * of the load at p holds code 2k + 1 in its high byte, of the load at p - 1
+ * code 2k: (slot >>arith 4) & 0x87F0 is then the BF16 of w * 2^-120 for
+ * every code but NaN, and one zero-masked word permute per step puts lane
+ * l's slot in the top half of f32 lane l. Per 64 codes: two shifts, two
+ * ands, four permutes, where bs_dec64p_e4m3 takes six two-source byte
+ * permutes and a ternary-logic op (which on a Zen 4 issues on the FMA
+ * pipes). NaN codes (magnitude 127) are caught by a running byte maximum;
+ * a block that holds one is redone. */
+typedef __m512i bs_chks; /* max-accumulated code magnitudes */
+static inline bs_chks bs_chks_init(void) { return _mm512_setzero_si512(); }
+static inline int bs_chks_ok(bs_chks c) { return _mm512_cmpeq_epi8_mask(c, _mm512_set1_epi8(0x7F)) == 0; }
+/* Step 0 (even: codes 2l) or 1 (odd: codes 2l + 1) of chunk h of the
+ * slots, lane l in the top half of f32 lane l. */
+static inline bs_vf bs_e4m3s_step(__m512i v, int h) {
+    const __m512i idx = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0,
+                                         7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+    return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, _mm512_add_epi16(idx, _mm512_set1_epi16((short)(16 * h))), v));
+}
+static inline void bs_e4m3s_of(__m512i even, __m512i odd, bs_vf *o, int nch, bs_chks *chk) {
+    const __m512i keep = _mm512_set1_epi16((short)0x87F0);
+    *chk = _mm512_max_epu8(*chk, _mm512_and_si512(odd, _mm512_set1_epi8(0x7F)));
+    const __m512i e = _mm512_and_si512(_mm512_srai_epi16(even, 4), keep);
+    const __m512i d = _mm512_and_si512(_mm512_srai_epi16(odd, 4), keep);
+    for (int h = 0; h < nch; ++h) {
+        o[2 * h] = bs_e4m3s_step(e, h);
+        o[2 * h + 1] = bs_e4m3s_step(d, h);
+    }
+}
+/* Two chunks; reads p[-1] (the kernels take a row's first chunk with the
+ * *0 decoders, which shift the codes into place instead). */
+static inline void bs_dec64s_e4m3(const void *p, bs_vf o[4][BS_G], bs_chks *chk) {
+    bs_e4m3s_of(_mm512_loadu_si512((const uint8_t *)p - 1), _mm512_loadu_si512(p), &o[0][0], 2, chk);
+}
+static inline void bs_dec64s0_e4m3(const void *p, bs_vf o[4][BS_G], bs_chks *chk) {
+    const __m512i odd = _mm512_loadu_si512(p);
+    bs_e4m3s_of(_mm512_slli_epi16(odd, 8), odd, &o[0][0], 2, chk);
+}
+/* One chunk (the other 32 bytes of the registers are zero). */
+static inline void bs_dec32s_e4m3(const void *p, bs_vf o[2][BS_G], bs_chks *chk) {
+    bs_e4m3s_of(_mm512_maskz_loadu_epi8(0xFFFFFFFFull, (const uint8_t *)p - 1),
+                _mm512_maskz_loadu_epi8(0xFFFFFFFFull, p), &o[0][0], 1, chk);
+}
+static inline void bs_dec32s0_e4m3(const void *p, bs_vf o[2][BS_G], bs_chks *chk) {
+    const __m512i odd = _mm512_maskz_loadu_epi8(0xFFFFFFFFull, p);
+    bs_e4m3s_of(_mm512_slli_epi16(odd, 8), odd, &o[0][0], 1, chk);
+}
+/* A row's last, partial chunk: its m (1..31) codes by a masked load, which
+ * reads no byte past them, the rest 0x38 (1.0). */
+static inline void bs_dec32st_e4m3(const void *p, size_t m, bs_vf o[2][BS_G], bs_chks *chk) {
+    const __m512i odd = _mm512_mask_loadu_epi8(_mm512_maskz_mov_epi8(0xFFFFFFFFull, _mm512_set1_epi8(0x38)),
+                                               ((__mmask64)1 << m) - 1, p);
+    bs_e4m3s_of(_mm512_slli_epi16(odd, 8), odd, &o[0][0], 1, chk);
 }
 
 /* FP4 chunk (bs_formats.h): 64 bytes, lane l's 4 bytes in f32 lane l. vpermps

@@ -447,9 +447,10 @@ fn fp8_fast_and_exact_blocks() {
     eprintln!("fp8 normal/special blocks: {count} kernel checks passed");
 }
 
-/// AVX2 takes FP8 rows against x scaled by 2^120 when every |x| < 256 (its
-/// "s" tiles: zero and subnormal codes become f32 subnormals, NaN codes are
-/// redone) and the exact decoder otherwise. Both sides of that bound, with
+/// AVX2 and AVX-512 take FP8 rows against x scaled by 2^120 when every
+/// |x| < 256 (their "s" tiles: zero and subnormal codes become f32
+/// subnormals, a block with a NaN code is redone, for every row of the tile)
+/// and their other decoder otherwise. Both sides of that bound, with
 /// x as small as an f32 subnormal and as large as the bound allows, must
 /// give the reference's bits.
 #[test]

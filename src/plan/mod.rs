@@ -179,6 +179,11 @@ pub struct IsaDesc {
     /// the FP4 kernels then also have "c" tiles, taken when every x is 0 or
     /// finite with |x| >= 2^-101, so that x * 2^-25 is exact.
     pub fp4_scaled: bool,
+    /// Whether the FP8 kernels have "s" tiles, taken when every |x| < 256:
+    /// x is copied times 2^120 and each code's bits go straight into an
+    /// f32's fields, w * 2^-120, with no look-up (the header's
+    /// `bs_dec32s_e4m3`, `bs_chks`).
+    pub fp8_scaled: bool,
     /// How far ahead, in bytes of each row, the scaled-format matrix kernels
     /// prefetch their rows in the order the tiles read them (rows no longer
     /// than this: the next tile's rows); 0: none, the hardware prefetcher is
@@ -217,6 +222,7 @@ impl Isa {
                 permuted: &[],
                 chunk64: &[],
                 fp4_scaled: false,
+                fp8_scaled: false,
                 prefetch_ahead: 0,
                 prefetch_locality: 3,
                 matvec_row_step: 1,
@@ -234,6 +240,7 @@ impl Isa {
                 permuted: &["fp8", "bf16"],
                 chunk64: &[],
                 fp4_scaled: true,
+                fp8_scaled: true,
                 prefetch_ahead: 0,
                 prefetch_locality: 3,
                 // 4 KiB rows (BF16 4096 x 2048) streamed at 1 thread on a Zen 3 VM:
@@ -273,6 +280,7 @@ impl Isa {
                 permuted: &[],
                 chunk64: &["fp8"],
                 fp4_scaled: false,
+                fp8_scaled: true,
                 prefetch_ahead: 2048,
                 prefetch_locality: 2,
                 matvec_row_step: 1,
@@ -290,6 +298,7 @@ impl Isa {
                 permuted: &[],
                 chunk64: &[],
                 fp4_scaled: false,
+                fp8_scaled: false,
                 prefetch_ahead: 0,
                 prefetch_locality: 3,
                 matvec_row_step: 1,
