@@ -123,7 +123,9 @@ static inline float bs_w1s_e4m3(const void *row, size_t c) { return bs_w1_e4m3(r
  * bs_dec32pt_e4m3(p, m, o, chk) decodes a row's last, partial chunk: its m
  * (1..31) codes at p, the rest taken as code 0x38 (1.0), reading p[0..m-1]
  * only; BS_FP8_TAIL_COPY does it with a padded copy, for an ISA that has
- * nothing better. */
+ * nothing better. The ISAs with IsaDesc::fp8_scaled (AVX2, AVX-512) also
+ * define the "s" decoders (bs_dec32s_e4m3 and the rest, with bs_chks),
+ * for x scaled by 2^120: w * 2^-120, exact for every code but NaN. */
 #define BS_FP8_TAIL_COPY(dec, p, m, o, chk)          \
     do {                                             \
         uint8_t t_[32];                              \
