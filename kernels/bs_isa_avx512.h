@@ -171,8 +171,9 @@ static inline void bs_dec32s0_e4m3(const void *p, bs_vf o[2][BS_G], bs_chks *chk
 /* A row's last, partial chunk: its m (1..31) codes by a masked load, which
  * reads no byte past them, the rest 0x38 (1.0). */
 static inline void bs_dec32st_e4m3(const void *p, size_t m, bs_vf o[2][BS_G], bs_chks *chk) {
-    const __m512i odd = _mm512_mask_loadu_epi8(_mm512_maskz_mov_epi8(0xFFFFFFFFull, _mm512_set1_epi8(0x38)),
-                                               ((__mmask64)1 << m) - 1, p);
+    const __mmask64 have = ((__mmask64)1 << m) - 1;
+    const __m512i pad = _mm512_maskz_mov_epi8(0xFFFFFFFFull, _mm512_set1_epi8(0x38));
+    const __m512i odd = _mm512_mask_blend_epi8(have, pad, _mm512_maskz_loadu_epi8(have, p));
     bs_e4m3s_of(_mm512_slli_epi16(odd, 8), odd, &o[0][0], 1, chk);
 }
 
