@@ -184,6 +184,11 @@ pub struct IsaDesc {
     /// f32's fields, w * 2^-120, with no look-up (the header's
     /// `bs_dec32s_e4m3`, `bs_chks`).
     pub fp8_scaled: bool,
+    /// Whether the FP8 matmul tiles (NR > 1) take the "s" tiles too; without
+    /// it only matvec (and a matmul's single leftover tokens) does. AVX-512's
+    /// 2 x 4 "s" tile ran at 0.75x its "p" tile at 128 tokens, specialised
+    /// (Zen 4 VM, three alternated runs), though the matvec gains.
+    pub fp8_scaled_matmul: bool,
     /// How far ahead, in bytes of each row, the scaled-format matrix kernels
     /// prefetch their rows in the order the tiles read them (rows no longer
     /// than this: the next tile's rows); 0: none, the hardware prefetcher is
@@ -223,6 +228,7 @@ impl Isa {
                 chunk64: &[],
                 fp4_scaled: false,
                 fp8_scaled: false,
+                fp8_scaled_matmul: false,
                 prefetch_ahead: 0,
                 prefetch_locality: 3,
                 matvec_row_step: 1,
@@ -241,6 +247,7 @@ impl Isa {
                 chunk64: &[],
                 fp4_scaled: true,
                 fp8_scaled: true,
+                fp8_scaled_matmul: true,
                 prefetch_ahead: 0,
                 prefetch_locality: 3,
                 // 4 KiB rows (BF16 4096 x 2048) streamed at 1 thread on a Zen 3 VM:
@@ -281,6 +288,7 @@ impl Isa {
                 chunk64: &["fp8"],
                 fp4_scaled: false,
                 fp8_scaled: true,
+                fp8_scaled_matmul: false,
                 prefetch_ahead: 2048,
                 prefetch_locality: 2,
                 matvec_row_step: 1,
@@ -299,6 +307,7 @@ impl Isa {
                 chunk64: &[],
                 fp4_scaled: false,
                 fp8_scaled: false,
+                fp8_scaled_matmul: false,
                 prefetch_ahead: 0,
                 prefetch_locality: 3,
                 matvec_row_step: 1,
