@@ -224,21 +224,6 @@ static inline void bs_e4m3_p_of(__m256i even, __m256i odd, bs_vf o[2][BS_G], bs_
 }
 BS_E4M3_DECODERS(p, bs_chk) /* bs_dec32p_e4m3, bs_dec32p0_e4m3, bs_dec32pt_e4m3 */
 
-/* FP8 against x scaled by 2^120 (the "s" tiles, for rows whose every
- * |x| < 256, so that x * 2^120 is exact and finite). Each code's bits go
- * straight into an f32's sign, exponent and mantissa fields with no
- * rebias: w' = (slot >>arith 4 & 0x87F0) << 16 is w * 2^-120 exactly for
- * every code but NaN -- normal codes give normal f32s down to 2^-126, zero
- * and subnormal codes (magnitude 0..7) f32 subnormals m * 2^-129
- * (= m * 2^-9 * 2^-120) and +-0 -- so w' * x' is the same real number as
- * w * x and every FMA rounds as the reference's. One operation fewer per 16
- * codes than bs_dec32p_e4m3 (no bias add), and the check left is for NaN
- * codes alone (magnitude 127): a running byte maximum of the magnitudes,
- * two operations per 32 codes where the normal-code test takes four; a
- * block that holds one is redone. On a Zen 3 VM, 64 rows x 4096 columns in
- * L2 at 1 thread: 8.4 -> 6.9 cycles per 32 weights (before the lane order
- * without vpermq), and no slowdown with 1 code in 50 zero or subnormal,
- * where the normal-code test redoes nearly every block (2.7 GB/s). */
 /* x of one whole FP8 chunk in its step order, times m: xp[16h + s] =
  * x[2 LANES[s] + h] * m (the kernels' permute_x), that is out_k[i] =
  * x[4i + k] in the order out_0, out_2, out_1, out_3: each 8-column load's
@@ -259,6 +244,22 @@ static inline void bs_fp8_xp_chunk(const float *x, float *xp, float m) {
     _mm256_storeu_pd((double *)(xp + 16), _mm256_permute2f128_pd(hi01, hi23, 0x20)); /* out_1 */
     _mm256_storeu_pd((double *)(xp + 24), _mm256_permute2f128_pd(hi01, hi23, 0x31)); /* out_3 */
 }
+
+/* FP8 against x scaled by 2^120 (the "s" tiles, for rows whose every
+ * |x| < 256, so that x * 2^120 is exact and finite). Each code's bits go
+ * straight into an f32's sign, exponent and mantissa fields with no
+ * rebias: w' = (slot >>arith 4 & 0x87F0) << 16 is w * 2^-120 exactly for
+ * every code but NaN -- normal codes give normal f32s down to 2^-126, zero
+ * and subnormal codes (magnitude 0..7) f32 subnormals m * 2^-129
+ * (= m * 2^-9 * 2^-120) and +-0 -- so w' * x' is the same real number as
+ * w * x and every FMA rounds as the reference's. One operation fewer per 16
+ * codes than bs_dec32p_e4m3 (no bias add), and the check left is for NaN
+ * codes alone (magnitude 127): a running byte maximum of the magnitudes,
+ * two operations per 32 codes where the normal-code test takes four; a
+ * block that holds one is redone. On a Zen 3 VM, 64 rows x 4096 columns in
+ * L2 at 1 thread: 8.4 -> 6.9 cycles per 32 weights (before the lane order
+ * without vpermq), and no slowdown with 1 code in 50 zero or subnormal,
+ * where the normal-code test redoes nearly every block (2.7 GB/s). */
 typedef __m256i bs_chks; /* max-accumulated code magnitudes */
 static inline bs_chks bs_chks_init(void) { return _mm256_setzero_si256(); }
 static inline int bs_chks_ok(bs_chks c) {
