@@ -179,6 +179,11 @@ pub struct IsaDesc {
     /// the FP4 kernels then also have "c" tiles, taken when every x is 0 or
     /// finite with |x| >= 2^-101, so that x * 2^-25 is exact.
     pub fp4_scaled: bool,
+    /// FP4 tiles take their four-chunk groups chunk by chunk, each chunk
+    /// against every row of the tile (x of one chunk in registers for all
+    /// rows) rather than row by row. Only where a chunk's x fits in
+    /// registers beside the tile's accumulators (AVX-512: 8 of 32).
+    pub fp4_chunk_outer: bool,
     /// Whether the FP8 kernels have "s" tiles, taken when every |x| < 256:
     /// x is copied times 2^120 and each code's bits go straight into an
     /// f32's fields, w * 2^-120, with no look-up (the header's
@@ -227,6 +232,7 @@ impl Isa {
                 permuted: &[],
                 chunk64: &[],
                 fp4_scaled: false,
+                fp4_chunk_outer: false,
                 fp8_scaled: false,
                 fp8_scaled_matmul: false,
                 prefetch_ahead: 0,
@@ -246,6 +252,7 @@ impl Isa {
                 permuted: &["fp8", "bf16"],
                 chunk64: &[],
                 fp4_scaled: true,
+                fp4_chunk_outer: false,
                 fp8_scaled: true,
                 fp8_scaled_matmul: true,
                 prefetch_ahead: 0,
@@ -287,6 +294,7 @@ impl Isa {
                 permuted: &[],
                 chunk64: &["fp8"],
                 fp4_scaled: false,
+                fp4_chunk_outer: true,
                 fp8_scaled: true,
                 fp8_scaled_matmul: false,
                 prefetch_ahead: 2048,
@@ -306,6 +314,7 @@ impl Isa {
                 permuted: &[],
                 chunk64: &[],
                 fp4_scaled: false,
+                fp4_chunk_outer: false,
                 fp8_scaled: false,
                 fp8_scaled_matmul: false,
                 prefetch_ahead: 0,
