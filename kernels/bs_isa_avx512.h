@@ -126,9 +126,9 @@ static inline void bs_fp8_xp_chunk(const float *x, float *xp, float m) {
  * code 2k: (slot >>arith 4) & 0x87F0 is then the BF16 of w * 2^-120 for
  * every code but NaN, and one zero-masked word permute per step puts lane
  * l's slot in the top half of f32 lane l. Per 64 codes: two shifts, two
- * ands, four permutes (and an and and a maximum for the NaN check), where bs_dec64p_e4m3 takes six two-source byte
- * permutes and a ternary-logic op (which on a Zen 4 issues on the FMA
- * pipes). NaN codes (magnitude 127) are caught by a running byte maximum;
+ * ands, four permutes (and an and and a maximum for the NaN check), where
+ * bs_dec64p_e4m3 takes six two-source byte permutes and a ternary-logic op
+ * (which on a Zen 4 issues on the FMA pipes). NaN codes (magnitude 127) are caught by a running byte maximum;
  * a block that holds one is redone. */
 typedef __m512i bs_chks; /* max-accumulated code magnitudes */
 static inline bs_chks bs_chks_init(void) { return _mm512_setzero_si512(); }
