@@ -1281,7 +1281,9 @@ impl Kernels {
         if let Some(s) = a.sinks {
             check_len("attention sinks [n_heads]", a.n_heads, s.len())?;
         }
-        let scratch_len = a.t_len.div_ceil(16) * 16;
+        // Up to 4 heads at a time (those sharing a KV head), each with its
+        // scores rounded up to 16.
+        let scratch_len = 4 * a.t_len.div_ceil(16) * 16;
         let f = k.f;
         let (q, kp, vp) = (
             SendPtr(a.q.as_ptr()),
@@ -1304,7 +1306,7 @@ impl Kernels {
             let mut scratch = vec![0f32; scratch_len];
             // SAFETY: q and out hold n_heads×head_dim floats, k and v at least
             // (t_len-1)×kv_stride + n_kv_heads×head_dim, sinks n_heads or null
-            // (all checked above); scratch holds t_len rounded up to 16.
+            // (all checked above); scratch holds 4 × t_len rounded up to 16.
             // Concurrent calls write disjoint heads h0..h1 of out.
             unsafe {
                 f(

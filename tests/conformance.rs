@@ -798,8 +798,29 @@ fn check_attn(ks: &[Kernels], rng: &mut Rng, c: &AttnCase, specialised_expected:
 fn attention_matches_reference() {
     let ks = runnable();
     let mut rng = Rng(5);
+    let specialised = |hd, h, kv| {
+        ATTN_KERNELS.iter().any(|x| {
+            x.shape
+                == Some(bespoke::plan::AttnShape {
+                    head_dim: hd,
+                    n_heads: h,
+                    n_kv_heads: kv,
+                })
+        })
+    };
     // Awkward shapes through the generic kernel.
-    for &(hd, h, kv) in &[(1, 1, 1), (16, 8, 8), (33, 6, 3), (64, 4, 1), (80, 2, 2)] {
+    // Groups of 1, 2, 3, 4, 6 and 8 query heads per KV head: the kernels
+    // take up to 4 heads of a group at a time, then 2, then 1.
+    for &(hd, h, kv) in &[
+        (1, 1, 1),
+        (16, 8, 8),
+        (33, 6, 3),
+        (64, 4, 1),
+        (80, 2, 2),
+        (40, 9, 3),
+        (24, 12, 2),
+        (16, 16, 2),
+    ] {
         for &t in &[1, 5, 16, 17, 100] {
             for &(window, sinks) in &[(0, false), (7, false), (0, true), (40, true)] {
                 let c = AttnCase {
@@ -811,18 +832,26 @@ fn attention_matches_reference() {
                     sinks,
                     stride_pad: 3,
                 };
-                let spec = ATTN_KERNELS.iter().any(|x| {
-                    x.shape
-                        == Some(bespoke::plan::AttnShape {
-                            head_dim: hd,
-                            n_heads: h,
-                            n_kv_heads: kv,
-                        })
-                });
-                check_attn(&ks, &mut rng, &c, spec);
+                check_attn(&ks, &mut rng, &c, specialised(hd, h, kv));
             }
         }
     }
+    // Heads shared among 3 threads (12 heads: 4 each), so that a thread's
+    // range starts and ends inside a KV head's group of 6.
+    bespoke::threads::pool(3).install(|| {
+        for &(t, window, sinks) in &[(100, 0, false), (120, 50, true)] {
+            let c = AttnCase {
+                hd: 64,
+                h: 12,
+                kv: 2,
+                t,
+                window,
+                sinks,
+                stride_pad: 1,
+            };
+            check_attn(&ks, &mut rng, &c, specialised(64, 12, 2));
+        }
+    });
     // The build's specialised shapes.
     let mut shapes: Vec<_> = ATTN_KERNELS.iter().filter_map(|x| x.shape).collect();
     shapes.sort();

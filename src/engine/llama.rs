@@ -332,6 +332,11 @@ impl<'m> LlamaModel<'m> {
         let mut att = vec![0.0f32; n * h * hd];
         let mut o = vec![0.0f32; n * d];
         let scale = 1.0 / (hd as f32).sqrt();
+        // Each position's rotation, computed once for every head and layer.
+        let mut rope_tbl = vec![0.0f32; n * hd];
+        for (i, tbl) in rope_tbl.chunks_exact_mut(hd).enumerate() {
+            self.rope.table(pos0 + i, tbl);
+        }
         for (li, layer) in self.layers.iter().enumerate() {
             hbuf.copy_from_slice(&x);
             rms_norm(&mut hbuf, &layer.in_norm, self.eps);
@@ -353,12 +358,12 @@ impl<'m> LlamaModel<'m> {
                 rms_norm(&mut q, qn, self.eps);
                 rms_norm(&mut kk, kn, self.eps);
             }
-            for i in 0..n {
+            for (i, tbl) in rope_tbl.chunks_exact(hd).enumerate() {
                 for head in q[i * h * hd..(i + 1) * h * hd].chunks_exact_mut(hd) {
-                    self.rope.apply(head, pos0 + i);
+                    self.rope.rotate(head, tbl);
                 }
                 for head in kk[i * kvw..(i + 1) * kvw].chunks_exact_mut(hd) {
-                    self.rope.apply(head, pos0 + i);
+                    self.rope.rotate(head, tbl);
                 }
             }
             cache.k[li][pos0 * kvw..(pos0 + n) * kvw].copy_from_slice(&kk);

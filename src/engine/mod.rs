@@ -577,16 +577,26 @@ impl Rope {
         }
     }
 
-    /// Rotate one head vector (its first `dim` values) at `pos`.
-    pub fn apply(&self, x: &mut [f32], pos: usize) {
+    /// The cosines and sines at `pos`, `dim` values: [cos; dim/2] then
+    /// [sin; dim/2], each times the attention scaling. One table serves
+    /// every head and layer at that position (`rotate`).
+    pub fn table(&self, pos: usize, tbl: &mut [f32]) {
         let half = self.dim / 2;
         let p = pos as f32;
+        let (cos, sin) = tbl[..2 * half].split_at_mut(half);
         for i in 0..half {
             let f = p * self.inv_freq[i];
-            let (c, s) = (
-                f.cos() * self.attention_scaling,
-                f.sin() * self.attention_scaling,
-            );
+            cos[i] = f.cos() * self.attention_scaling;
+            sin[i] = f.sin() * self.attention_scaling;
+        }
+    }
+
+    /// Rotate one head vector (its first `dim` values) by a `table`.
+    pub fn rotate(&self, x: &mut [f32], tbl: &[f32]) {
+        let half = self.dim / 2;
+        let (cos, sin) = tbl[..2 * half].split_at(half);
+        for i in 0..half {
+            let (c, s) = (cos[i], sin[i]);
             let (a, b) = (x[i], x[i + half]);
             x[i] = a * c - b * s;
             x[i + half] = b * c + a * s;
