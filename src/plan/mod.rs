@@ -213,6 +213,24 @@ pub struct IsaDesc {
     /// combined with `prefetch_ahead`, whose distances assume consecutive
     /// rows (a test checks). 1 where not measured.
     pub matvec_row_step: usize,
+    /// Whether the ISA header has `bs_dec32_bf16`, 32 BF16 columns (one
+    /// 64-byte line) decoded from one load into two lane groups: the BF16
+    /// one-token tiles then step a whole line of each row at a time, every
+    /// lane still taking its columns in order. On a Zen 4 VM (AVX-512, 1
+    /// thread, 320 MiB of matrices streamed, old and new kernels alternated
+    /// in one C program, same bits) the 8-row tile read 5-12 % more at 2048
+    /// to 5632 columns.
+    pub bf16_line: bool,
+    /// BF16 matvecs with at most this many columns take their rows one at a
+    /// time, a line per step: one sequential stream. A row's sum is then one
+    /// dependent FMA chain (AVX-512: 8 bytes of weights per cycle at most),
+    /// which pays only while the out-of-order window reaches into the next
+    /// row; 0: never. Measured as for `bf16_line`, against the 8-row tile:
+    /// 1024 columns 1.38-1.41x, 2048 1.15-1.31x, 2560 and 3072 0.84-1.24x
+    /// (so 2048), 4096 and up slower; cache-resident at 2048 columns 0.66x
+    /// (the chain's latency), which a model larger than the last-level
+    /// cache never sees in decode.
+    pub bf16_one_row_cols: usize,
     /// Dispatch preference: higher wins among supported variants.
     pub score: u32,
 }
@@ -238,6 +256,8 @@ impl Isa {
                 prefetch_ahead: 0,
                 prefetch_locality: 3,
                 matvec_row_step: 1,
+                bf16_line: false,
+                bf16_one_row_cols: 0,
                 score: 1,
             },
             Isa::Avx2 => IsaDesc {
@@ -262,6 +282,8 @@ impl Isa {
                 // their pages (2048 x 4096: 21-25 -> 25-29), in a C loop of the
                 // generated kernel; 2 was in between.
                 matvec_row_step: 4,
+                bf16_line: false,
+                bf16_one_row_cols: 0,
                 score: 20,
             },
             Isa::Avx512 => IsaDesc {
@@ -300,6 +322,8 @@ impl Isa {
                 prefetch_ahead: 2048,
                 prefetch_locality: 2,
                 matvec_row_step: 1,
+                bf16_line: true,
+                bf16_one_row_cols: 2048,
                 score: 30,
             },
             Isa::Neon => IsaDesc {
@@ -320,6 +344,8 @@ impl Isa {
                 prefetch_ahead: 0,
                 prefetch_locality: 3,
                 matvec_row_step: 1,
+                bf16_line: false,
+                bf16_one_row_cols: 0,
                 score: 20,
             },
             // The same kernels as neon, compiled without the preset's flags.
