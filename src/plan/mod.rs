@@ -226,7 +226,7 @@ pub struct IsaDesc {
     /// dependent FMA chain (AVX-512: 8 bytes of weights per cycle at most),
     /// which pays only while the out-of-order window reaches into the next
     /// row; 0: never. Measured as for `bf16_line`, against the 8-row tile:
-    /// 1024 columns 1.38-1.41x, 2048 1.15-1.31x, 2560 and 3072 0.84-1.24x
+    /// 1024 columns 1.32-1.41x, 2048 1.15-1.31x, 2560 and 3072 0.85-1.24x
     /// (so 2048), 4096 and up slower; cache-resident at 2048 columns 0.66x
     /// (the chain's latency), which a model larger than the last-level
     /// cache never sees in decode.
