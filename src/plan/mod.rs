@@ -386,6 +386,14 @@ impl Isa {
             // 128 tokens: 1.2x the 1 x 2 tile; FP4 level or slower).
             (Isa::Avx2, _, true) if format == Format::Fp8 => t(1, 4),
             (Isa::Avx2, _, true) => t(1, 2),
+            // BF16 one-token tiles of 12 rows (a line of each per step,
+            // `IsaDesc::bf16_line`): on a Zen 4 VM, 1 thread, streamed, a C
+            // harness alternating them, 12 rows read 1.00-1.28x what 8 did
+            // at 2560 to 18432 columns (most at 5632 and 11008); 16 rows
+            // more still where a row is not a multiple of 4 KiB, but less
+            // where it is (4096, 6144, 8192, 14336: 16 rows' lines in one L1
+            // set, more than its 8 ways).
+            (Isa::Avx512, Op::Matvec, false) if format == Format::Bf16 => t(12, 1),
             (Isa::Avx512, Op::Matvec, false) => t(8, 1),
             (Isa::Avx512, Op::Matvec, true) => t(8, 1),
             (Isa::Avx512, _, false) => t(4, 4),
