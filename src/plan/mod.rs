@@ -389,7 +389,8 @@ impl Isa {
             // BF16 one-token tiles of 12 rows (a line of each per step,
             // `IsaDesc::bf16_line`): on a Zen 4 VM, 1 thread, streamed, a C
             // harness alternating them, 12 rows read 1.00-1.28x what 8 did
-            // at 2560 to 18432 columns (most at 5632 and 11008); 16 rows
+            // at 2560 to 18432 columns (the generated kernels: 5632 columns
+            // 1.06-1.14x, 11008 1.07-1.21x, 14336 0.96-1.05x); 16 rows
             // more still where a row is not a multiple of 4 KiB, but less
             // where it is (4096, 6144, 8192, 14336: 16 rows' lines in one L1
             // set, more than its 8 ways).
