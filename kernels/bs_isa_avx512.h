@@ -40,18 +40,18 @@ static inline bs_vf bs_select_lt(bs_vf x, bs_vf c, bs_vf a, bs_vf b) {
 static inline void bs_dec16_f32(const void *p, bs_vf o[BS_G]) { o[0] = _mm512_loadu_ps((const float *)p); }
 /* BF16: one word permute puts column l's 16 bits in the top half of f32
  * lane l, the mask zeroes the low halves. */
+static inline __m512i bs_bf16_idx(void) {
+    return _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0,
+                            7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+}
 static inline void bs_dec16_bf16(const void *p, bs_vf o[BS_G]) {
-    const __m512i idx = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0,
-                                         7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
     const __m512i h = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p));
-    o[0] = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx, h));
+    o[0] = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, bs_bf16_idx(), h));
 }
 /* BF16, 32 columns (one 64-byte line) from one load: columns 0-15 into o[0],
  * 16-31 into o[1], each as bs_dec16_bf16 puts them. */
 static inline void bs_dec32_bf16(const void *p, bs_vf o[2 * BS_G]) {
-    const __m512i idx = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0,
-                                         7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
-    const __m512i h = _mm512_loadu_si512(p);
+    const __m512i idx = bs_bf16_idx(), h = _mm512_loadu_si512(p);
     o[0] = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx, h));
     o[1] = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, _mm512_add_epi16(idx, _mm512_set1_epi16(16)), h));
 }

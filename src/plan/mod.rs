@@ -218,7 +218,7 @@ pub struct IsaDesc {
     /// one-token tiles then step a whole line of each row at a time, every
     /// lane still taking its columns in order. On a Zen 4 VM (AVX-512, 1
     /// thread, 320 MiB of matrices streamed, old and new kernels alternated
-    /// in one C program, same bits) the 8-row tile read 5-12 % more at 2048
+    /// in one C program, same bits) the 8-row tile read 4-12 % more at 1024
     /// to 5632 columns.
     pub bf16_line: bool,
     /// BF16 matvecs with at most this many columns take their rows one at a
@@ -229,7 +229,9 @@ pub struct IsaDesc {
     /// 1024 columns 1.32-1.41x, 2048 1.15-1.31x, 2560 and 3072 0.85-1.24x
     /// (so 2048), 4096 and up slower; cache-resident at 2048 columns 0.66x
     /// (the chain's latency), which a model larger than the last-level
-    /// cache never sees in decode.
+    /// cache never sees in decode. The bf16dot kernels (AVX-512 only) take
+    /// the same limit as `BD_ONE_ROW_COLS`: their row sum is one chain of
+    /// VDPBF16PS, and 2048 is where they were measured to gain too.
     pub bf16_one_row_cols: usize,
     /// Dispatch preference: higher wins among supported variants.
     pub score: u32,
