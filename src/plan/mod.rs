@@ -231,7 +231,14 @@ pub struct IsaDesc {
     /// (the chain's latency), which a model larger than the last-level
     /// cache never sees in decode. The bf16dot kernels (AVX-512 only) take
     /// the same limit as `BD_ONE_ROW_COLS`: their row sum is one chain of
-    /// VDPBF16PS, and 2048 is where they were measured to gain too.
+    /// VDPBF16PS, and 2048 is where they were measured to gain too. AVX2
+    /// (slot-order x, two 8-lane chains per row) takes the same limit:
+    /// forced on that Zen 4 VM (`BESPOKE_KERNELS=avx2`, `bench kernels
+    /// --isa avx2 --threads 1`, builds alternated), 2048-column matrices
+    /// streamed at 22-29 GB/s where the 4-row tiles read 15-22, and decode
+    /// end to end at 1 thread rose 1.17-1.22x; cache-resident 0.45x (the
+    /// chains' latency again). Not measured on a CPU whose best variant
+    /// is AVX2.
     pub bf16_one_row_cols: usize,
     /// Dispatch preference: higher wins among supported variants.
     pub score: u32,
@@ -285,7 +292,7 @@ impl Isa {
                 // generated kernel; 2 was in between.
                 matvec_row_step: 4,
                 bf16_line: false,
-                bf16_one_row_cols: 0,
+                bf16_one_row_cols: 2048,
                 score: 20,
             },
             Isa::Avx512 => IsaDesc {
