@@ -265,6 +265,32 @@ static inline void bs_reduce16x4(float *y, const bs_vf a[BS_G], const bs_vf b[BS
     _mm_storeu_ps(y, _mm512_castps512_ps128(_mm512_permutexvar_ps(first, s1)));
 }
 
+/* Sixteen accumulators summed at once, each by exactly bs_reduce16's tree
+ * (as bs_reduce16x4): lane p of the result is accumulator p's sum. Four
+ * rounds of two 128-bit / 32-bit shuffles and an add, each round halving
+ * the vectors: 45 instructions for the 16 sums. The last round leaves lane
+ * 4k + e holding the sum of the accumulator it was given as number 4e + k,
+ * so the accumulators go in transposed (a[4 (p % 4) + p / 4]) and come out
+ * in order. */
+#define BS_HAVE_REDUCE16X16
+static inline bs_vf bs_reduce16x16(const bs_vf a[16][BS_G]) {
+    __m512 x[8], y[4], z[2];
+    for (int p = 0; p < 8; ++p) {
+        /* l + l+8: [first's 8 | second's 8] */
+        const __m512 f = a[4 * ((2 * p) % 4) + (2 * p) / 4][0], s = a[4 * ((2 * p + 1) % 4) + (2 * p + 1) / 4][0];
+        x[p] = _mm512_add_ps(_mm512_shuffle_f32x4(f, s, 0x44), _mm512_shuffle_f32x4(f, s, 0xEE));
+    }
+    /* l + l+4: one accumulator per 128-bit quarter */
+    for (int r = 0; r < 4; ++r)
+        y[r] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * r], x[2 * r + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * r], x[2 * r + 1], 0xDD));
+    /* l + l+2: two accumulators per quarter */
+    for (int u = 0; u < 2; ++u)
+        z[u] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * u], y[2 * u + 1], 0x44), _mm512_shuffle_ps(y[2 * u], y[2 * u + 1], 0xEE));
+    /* l + l+1: four per quarter */
+    return _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+}
+
 /* fp4×q8 with vpdpbusd (AVX512-VNNI), on x regrouped per 4 blocks (see
  * bs_q8_x86.h and templates/q8.c.tera). */
 #define BS_Q8_XGROUP 4

@@ -827,6 +827,10 @@ fn attention_matches_reference() {
         (40, 9, 3),
         (24, 12, 2),
         (16, 16, 2),
+        // AVX-512 takes groups of 2 and 4 heads 16 (head, key) pairs at a
+        // time where head_dim is a multiple of 16: 2 and 6 per KV head.
+        (32, 6, 3),
+        (48, 12, 2),
     ] {
         for &t in &[1, 5, 16, 17, 100] {
             for &(window, sinks) in &[(0, false), (7, false), (0, true), (40, true)] {
@@ -875,6 +879,67 @@ fn attention_matches_reference() {
                 stride_pad: 0,
             };
             check_attn(&ks, &mut rng, &c, true);
+        }
+    }
+}
+
+/// Scores that are zeros (of scale's sign), infinite or NaN, and sinks of
+/// ±0, NaN and -inf: the maximum meets the scores in another order in some
+/// kernels than in the reference (AVX-512's blocks of 16 pairs), which must
+/// not show in a single bit.
+#[test]
+fn attention_edge_values() {
+    let ks = runnable();
+    for &(hd, h, kv) in &[(64, 4, 1), (32, 4, 2), (48, 12, 2), (16, 3, 1)] {
+        for &t in &[3usize, 16, 37] {
+            let stride = kv * hd;
+            let mut rng = Rng(11 + t as u64);
+            let mut q: Vec<f32> = (0..h * hd).map(|_| rng.unit()).collect();
+            // Head 0: a zero query (every score +0, or -0 once scaled by -1
+            // below); head 1: one infinite component.
+            q[..hd].iter_mut().for_each(|x| *x = 0.0);
+            q[hd + 5] = f32::INFINITY;
+            let mut kbuf: Vec<f32> = (0..t * stride).map(|_| rng.unit()).collect();
+            let vbuf: Vec<f32> = (0..t * stride).map(|_| rng.activation()).collect();
+            if t > 2 {
+                kbuf[2 * stride + 1] = f32::NAN;
+            }
+            kbuf[stride - 1] = -0.0;
+            let sinks: Vec<f32> = (0..h)
+                .map(|i| [-0.0, f32::NAN, 0.0, f32::NEG_INFINITY][i % 4])
+                .collect();
+            for &scale in &[0.125f32, -1.0] {
+                for use_sinks in [false, true] {
+                    let a = AttnArgs {
+                        q: &q,
+                        k: &kbuf,
+                        v: &vbuf,
+                        sinks: use_sinks.then_some(&sinks[..]),
+                        n_heads: h,
+                        n_kv_heads: kv,
+                        head_dim: hd,
+                        kv_stride: stride,
+                        t_len: t,
+                        window: 0,
+                        scale,
+                    };
+                    let want = reference::attn_decode(&a);
+                    for k in &ks {
+                        let generic = ATTN_KERNELS
+                            .iter()
+                            .find(|x| x.isa == k.isa() && x.shape.is_none())
+                            .unwrap();
+                        let mut out = vec![f32::NAN; h * hd];
+                        k.attn_decode_with(generic, &a, &mut out).unwrap();
+                        if let Some((i, x, y)) = first_diff(&out, &want) {
+                            panic!(
+                                "{} attention hd={hd} h={h} kv={kv} t={t} scale={scale} sinks={use_sinks}: element {i}: kernel {x:e}, reference {y:e}",
+                                k.isa()
+                            );
+                        }
+                    }
+                }
+            }
         }
     }
 }
