@@ -205,9 +205,10 @@ int main(void) {
             free(w), free(sc), free(x), free(y0), free(y1);
         }
     /* Query heads per KV head 1, 2, 3, 4 and 6: the kernels take 4 heads of a
-     * group at a time, then 2, then 1. */
-    static const size_t cases[][4] = {{16, 8, 8, 17}, {33, 6, 3, 100}, {64, 4, 1, 5},  {18, 4, 2, 40},
-                                      {512, 2, 1, 150}, {40, 9, 3, 30}, {24, 12, 2, 40}};
+     * group at a time, then 2, then 1 (AVX-512: groups of 4 and 2 in blocks
+     * of 16 (head, key) pairs where head_dim is a multiple of 16). */
+    static const size_t cases[][4] = {{16, 8, 8, 17}, {33, 6, 3, 100}, {64, 4, 1, 5},   {18, 4, 2, 40},
+                                      {512, 2, 1, 150}, {40, 9, 3, 30}, {24, 12, 2, 40}, {48, 12, 2, 37}};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; ++c) {
         size_t hd = cases[c][0], h = cases[c][1], kv = cases[c][2], t = cases[c][3], stride = kv * hd + 3;
         float *q = malloc(h * hd * 4), *k = malloc(t * stride * 4), *v = malloc(t * stride * 4);
