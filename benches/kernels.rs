@@ -23,6 +23,8 @@ fn main() {
         isas: vec![],
         weight_offset: 0,
         tokens: 1,
+        attention: true,
+        context: None,
     };
     if let Err(e) = bespoke::bench::kernels(&opts) {
         eprintln!("bench: {e}");

@@ -39,6 +39,21 @@ pub struct Options {
     /// matmul kernels Y = W·X with that many columns of X (prefill, several
     /// tokens of an expert); see [`check_tokens`].
     pub tokens: usize,
+    /// Also time the attention-decode kernel (format "attn") at the shape
+    /// set's attention shapes.
+    pub attention: bool,
+    /// Positions in the KV cache for the attention cases (None: 4096, or
+    /// 512 with `quick`); see [`check_context`].
+    pub context: Option<usize>,
+}
+
+/// `--context`: positions in the attention cases' KV cache.
+pub fn check_context(n: usize) -> Result<(), String> {
+    if (1..=1 << 20).contains(&n) {
+        Ok(())
+    } else {
+        Err(format!("--context {n}: expected 1 to 1048576 positions"))
+    }
 }
 
 /// Which matrix shapes to time.
@@ -150,20 +165,60 @@ pub struct KernelResult {
     /// GFLOP/s over that roof: how near a matmul is to what the core can
     /// multiply and add.
     pub peak_fraction: Option<f64>,
+    /// Attention cases (format "attn") only: rows is the query heads, cols
+    /// head_dim, tokens 1, GB/s the keys and values read per call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attn: Option<AttnBench>,
+}
+
+/// What else identifies an attention case.
+#[derive(Serialize, Clone, Copy, PartialEq, Eq, Debug)]
+pub struct AttnBench {
+    pub kv_heads: usize,
+    /// Positions in the KV cache, all read (DeepSeek V4 gathers its window
+    /// and the compressed entries it attends to into such a cache).
+    pub context: usize,
+    /// Whether per-head sink logits were passed (DeepSeek V4).
+    pub sinks: bool,
 }
 
 impl KernelResult {
     /// Everything that identifies a measurement except the kernel kind.
-    fn case(&self) -> (&str, usize, usize, usize, &str, usize, &str) {
+    #[allow(clippy::type_complexity)]
+    fn case(
+        &self,
+    ) -> (
+        &str,
+        usize,
+        usize,
+        usize,
+        Option<AttnBench>,
+        &str,
+        usize,
+        &str,
+    ) {
         (
             &self.format,
             self.rows,
             self.cols,
             self.tokens,
+            self.attn,
             &self.isa,
             self.threads,
             &self.residency,
         )
+    }
+
+    /// The shape as the table prints it: rows×cols, or for attention
+    /// heads/KV heads×head_dim and the positions read.
+    pub fn shape_label(&self) -> String {
+        match &self.attn {
+            None => format!("{}×{}", self.rows, self.cols),
+            Some(a) => format!(
+                "{}h/{}kv×{} @{}",
+                self.rows, a.kv_heads, self.cols, a.context
+            ),
+        }
     }
 }
 
@@ -567,10 +622,249 @@ fn cases(formats: &[Format]) -> Vec<(Format, usize, usize, String)> {
     out
 }
 
+/// An attention case: the shape, whether it has sinks, where it comes from.
+struct AttnCase {
+    shape: crate::plan::AttnShape,
+    sinks: bool,
+    origin: String,
+}
+
+/// The attention shapes of a shape set: the build's specialised ones for
+/// the default set, else the model's.
+fn attn_cases(set: &ShapeSet) -> Result<Vec<AttnCase>, String> {
+    let of_config = |cfg: &crate::plan::ModelConfig, origin: &str| -> Vec<AttnCase> {
+        crate::plan::attn_shapes(cfg)
+            .into_iter()
+            .map(|shape| AttnCase {
+                shape,
+                sinks: cfg.dsv4.is_some(),
+                origin: origin.to_string(),
+            })
+            .collect()
+    };
+    match set {
+        ShapeSet::Default => {
+            let plan = crate::report::build_plan();
+            Ok(plan
+                .attn_shapes
+                .iter()
+                .map(|&shape| {
+                    let users: Vec<String> = plan
+                        .models
+                        .iter()
+                        .filter(|m| m.attn.contains(&shape))
+                        .map(|m| crate::report::short_source(&m.source))
+                        .collect();
+                    AttnCase {
+                        shape,
+                        sinks: users
+                            .iter()
+                            .any(|u| u.contains("dsv4") || u.contains("deepseek")),
+                        origin: users.join(", "),
+                    }
+                })
+                .collect())
+        }
+        ShapeSet::Dsv4Flash => Ok(of_config(
+            &crate::plan::ModelConfig::from_json_str(
+                "built-in deepseek-v4-flash",
+                DSV4_FLASH_CONFIG,
+            )
+            .map_err(|e| e.to_string())?,
+            "dsv4-flash attention",
+        )),
+        ShapeSet::Dsv4Pro => Ok(of_config(
+            &crate::plan::ModelConfig::from_json_str("built-in deepseek-v4-pro", DSV4_PRO_CONFIG)
+                .map_err(|e| e.to_string())?,
+            "dsv4-pro attention",
+        )),
+        ShapeSet::Model(dir) => {
+            let cfg = crate::plan::load_config(dir).map_err(|e| e.to_string())?;
+            Ok(of_config(&cfg, "attention"))
+        }
+    }
+}
+
+/// What every case of a run shares.
+struct Run<'a> {
+    variants: &'a [Kernels],
+    thread_counts: &'a [usize],
+    bandwidth: &'a [Bandwidth],
+    read_buf: &'a [u64],
+    stream_bytes: usize,
+    samples: usize,
+    min_sample: Duration,
+}
+
+/// Times the attention-decode kernel of every variant, specialised and
+/// generic, for one query against `context` positions (keys and values
+/// cache-resident, then cycled through copies larger than the last-level
+/// cache): GB/s of keys and values read, GFLOP/s of the score and value
+/// multiply-adds against the f32 FMA roof.
+fn time_attention(
+    run: &Run,
+    cases: &[AttnCase],
+    context: usize,
+    peak_of: &dyn Fn(crate::plan::Isa, usize) -> Option<f64>,
+    progress: &mut dyn FnMut(String),
+) -> Vec<KernelResult> {
+    let mut results = Vec::new();
+    for (ci, c) in cases.iter().enumerate() {
+        let (h, kv, hd) = (c.shape.n_heads, c.shape.n_kv_heads, c.shape.head_dim);
+        let stride = kv * hd;
+        let mut seed = 0x2545_F491_4F6C_DD1Du64 ^ ci as u64;
+        let mut gen = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % 2001) as f32 / 2000.0 - 0.5
+        };
+        let q: Vec<f32> = (0..h * hd).map(|_| gen()).collect();
+        let sinks: Vec<f32> = (0..h).map(|_| gen()).collect();
+        let cache = |gen: &mut dyn FnMut() -> f32| -> (Vec<f32>, Vec<f32>) {
+            (
+                (0..context * stride).map(|_| gen()).collect(),
+                (0..context * stride).map(|_| gen()).collect(),
+            )
+        };
+        let bytes = 2 * context * stride * std::mem::size_of::<f32>();
+        let one = cache(&mut gen);
+        let copies = if bytes >= 1 << 20 {
+            (run.stream_bytes / bytes).max(2)
+        } else {
+            0
+        };
+        let stream: Vec<(Vec<f32>, Vec<f32>)> = (0..copies).map(|_| cache(&mut gen)).collect();
+        let scale = 1.0 / (hd as f32).sqrt();
+        let info = AttnBench {
+            kv_heads: kv,
+            context,
+            sinks: c.sinks,
+        };
+        for k in run.variants {
+            let mut kinds: Vec<(&str, &'static crate::kernels::AttnKernel)> = Vec::new();
+            let chosen = k.attn_kernel(c.shape);
+            if chosen.shape.is_some() {
+                kinds.push(("specialised", chosen));
+            }
+            if let Some(g) = crate::kernels::ATTN_KERNELS
+                .iter()
+                .find(|x| x.isa == k.isa() && x.shape.is_none())
+            {
+                kinds.push(("generic", g));
+            }
+            for &t in run.thread_counts {
+                let pool = crate::threads::pool(t);
+                let (bw, read_streams) = run
+                    .bandwidth
+                    .iter()
+                    .find(|b| b.threads == t)
+                    .map(|b| (b.gb_per_s, b.streams))
+                    .unwrap_or((f64::NAN, 1));
+                for residency in ["cache", "stream"] {
+                    progress(format!(
+                        "attn {h}h/{kv}kv×{hd} @{context} {} {t}t {residency}",
+                        k.isa()
+                    ));
+                    if residency == "stream" && stream.is_empty() {
+                        continue;
+                    }
+                    let caches: Vec<&(Vec<f32>, Vec<f32>)> = if residency == "cache" {
+                        vec![&one]
+                    } else {
+                        stream.iter().collect()
+                    };
+                    let mut calls: Vec<Box<dyn FnMut() + Send>> = kinds
+                        .iter()
+                        .map(|&(_, kern)| {
+                            let (caches, q, sinks) = (&caches, &q, &sinks);
+                            let mut out = vec![0f32; h * hd];
+                            let mut i = 0;
+                            Box::new(move || {
+                                let (kc, vc) = caches[i % caches.len()];
+                                i += 1;
+                                let a = crate::kernels::AttnArgs {
+                                    q,
+                                    k: kc,
+                                    v: vc,
+                                    sinks: c.sinks.then_some(&sinks[..]),
+                                    n_heads: h,
+                                    n_kv_heads: kv,
+                                    head_dim: hd,
+                                    kv_stride: stride,
+                                    t_len: context,
+                                    window: 0,
+                                    scale,
+                                };
+                                k.attn_decode_with(kern, &a, &mut out)
+                                    .expect("benchmark attention");
+                                black_box(&out);
+                            }) as Box<dyn FnMut() + Send>
+                        })
+                        .collect();
+                    if residency == "stream" {
+                        let buf = run.read_buf;
+                        calls.push(Box::new(move || {
+                            black_box(stream_read(black_box(buf), read_streams));
+                        }));
+                    }
+                    let stats = pool.install(|| {
+                        let mut refs: Vec<&mut dyn FnMut()> = calls
+                            .iter_mut()
+                            .map(|c| c.as_mut() as &mut dyn FnMut())
+                            .collect();
+                        time_interleaved(&mut refs, run.samples, run.min_sample)
+                    });
+                    let read_gb = if residency == "stream" {
+                        stats.last().map_or(bw, |r| {
+                            std::mem::size_of_val(run.read_buf) as f64 / r.0 / 1e9
+                        })
+                    } else {
+                        bw
+                    };
+                    let peak = peak_of(k.isa(), t);
+                    for (&(kind, _), (med, min, max)) in kinds.iter().zip(stats) {
+                        let gb = bytes as f64 / med / 1e9;
+                        // A multiply-add per head, position and component,
+                        // for the scores and again for the values.
+                        let gflop = 4.0 * (h * context * hd) as f64 / med / 1e9;
+                        results.push(KernelResult {
+                            format: "attn".into(),
+                            rows: h,
+                            cols: hd,
+                            tokens: 1,
+                            origin: c.origin.clone(),
+                            isa: k.isa().to_string(),
+                            kernel: kind.to_string(),
+                            threads: t,
+                            residency: residency.into(),
+                            median_us: med * 1e6,
+                            min_us: min * 1e6,
+                            max_us: max * 1e6,
+                            gb_per_s: gb,
+                            gflop_per_s: gflop,
+                            bandwidth_fraction: gb / read_gb,
+                            read_gb_per_s: read_gb,
+                            peak_gflop_per_s: peak,
+                            peak_fraction: peak.map(|p| gflop / p),
+                            attn: Some(info),
+                        });
+                    }
+                }
+            }
+        }
+    }
+    results
+}
+
 pub fn kernels(opts: &Options) -> Result<Results, String> {
     // Bad options fail before the slow part (the bandwidth probe).
     check_weight_offset(opts.weight_offset)?;
     check_tokens(opts.tokens)?;
+    if let Some(c) = opts.context {
+        check_context(c)?;
+    }
+    let context = opts.context.unwrap_or(if opts.quick { 512 } else { 4096 });
     let n_tok = opts.tokens;
     for i in &opts.isas {
         if let Err(e) = Kernels::with_isa(*i) {
@@ -716,14 +1010,19 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             Err(why) => eprintln!("{} not timed: {why}", crate::plan::dot_family(f)),
         }
     }
-    if all.is_empty() {
+    let attn = if opts.attention {
+        attn_cases(&opts.shapes)?
+    } else {
+        Vec::new()
+    };
+    if all.is_empty() && attn.is_empty() {
         return Err(format!(
-            "no matrix to time: the shape set ({:?}) has none in the formats asked for",
+            "no kernel to time: the shape set ({:?}) has none in the formats asked for",
             opts.shapes
         ));
     }
     let cases = all;
-    let total = cases.len() * variants.len() * 2 * thread_counts.len() * 2;
+    let total = (cases.len() * 2 + attn.len()) * variants.len() * 2 * thread_counts.len();
     let mut done = 0;
     let mut results = Vec::new();
     for (ci, (format, rows, cols, origin, act)) in cases.iter().enumerate() {
@@ -884,11 +1183,34 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                             read_gb_per_s: read_gb,
                             peak_gflop_per_s: peak,
                             peak_fraction: peak.map(|p| gflop / p),
+                            attn: None,
                         });
                     }
                 }
             }
         }
+    }
+    if !attn.is_empty() {
+        let run = Run {
+            variants: &variants,
+            thread_counts: &thread_counts,
+            bandwidth: &bandwidth,
+            read_buf: &read_buf,
+            stream_bytes,
+            samples,
+            min_sample,
+        };
+        let mut progress = |what: String| {
+            done += 1;
+            eprint!("\r[{done}/{total}] {what}          ");
+        };
+        results.extend(time_attention(
+            &run,
+            &attn,
+            context,
+            &|isa, t| peak_of(isa, Act::F32, t),
+            &mut progress,
+        ));
     }
     eprintln!();
     print_table(&results);
@@ -905,9 +1227,9 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
 
 fn print_table(r: &[KernelResult]) {
     println!(
-        "{:<7} {:>11} {:>4} {:<7} {:<11} {:>3} {:<6} {:>10} {:>21} {:>7} {:>8} {:>6} {:>7} {:>6}",
+        "{:<7} {:>17} {:>4} {:<7} {:<11} {:>3} {:<6} {:>10} {:>21} {:>7} {:>8} {:>6} {:>7} {:>6}",
         "fmt",
-        "rows×cols",
+        "shape",
         "n",
         "isa",
         "kernel",
@@ -923,9 +1245,9 @@ fn print_table(r: &[KernelResult]) {
     );
     for x in r {
         println!(
-            "{:<7} {:>11} {:>4} {:<7} {:<11} {:>3} {:<6} {:>10.2} {:>21} {:>7.2} {:>8.2} {:>5.0}% {:>7.1} {:>6}",
+            "{:<7} {:>17} {:>4} {:<7} {:<11} {:>3} {:<6} {:>10.2} {:>21} {:>7.2} {:>8.2} {:>5.0}% {:>7.1} {:>6}",
             x.format,
-            format!("{}×{}", x.rows, x.cols),
+            x.shape_label(),
             x.tokens,
             x.isa,
             x.kernel,
@@ -941,7 +1263,7 @@ fn print_table(r: &[KernelResult]) {
                 .map_or("-".to_string(), |f| format!("{:.0}%", f * 100.0))
         );
     }
-    println!("(n: tokens per call. % bw: of the read GB/s beside it; for streamed weights that read was timed interleaved with the kernel. % peak: GFLOP/s of the compute roof of the kernel's instruction at the same threads)");
+    println!("(shape: rows×cols, or for attn heads/KV heads×head_dim @positions in the cache. n: tokens per call. GB/s: weights, or the keys and values, read per second. % bw: of the read GB/s beside it; for streamed weights that read was timed interleaved with the kernel. % peak: GFLOP/s of the compute roof of the kernel's instruction at the same threads)");
 }
 
 /// The two targets: streamed weights at >= 85% of read bandwidth;
@@ -967,6 +1289,7 @@ fn print_summary(r: &[KernelResult]) {
             .and_then(|b| {
                 r.iter().find(|f| {
                     f.format == b
+                        && f.attn.is_none()
                         && f.kernel == s.kernel
                         && (f.rows, f.cols, &f.isa, f.threads, &f.residency)
                             == (s.rows, s.cols, &s.isa, s.threads, &s.residency)
@@ -988,9 +1311,9 @@ fn print_summary(r: &[KernelResult]) {
             (_, Some(f)) => format!("{:>6.1}% of the compute roof", f * 100.0),
         };
         println!(
-            "  {:<7} {:>11}{} {:<7} {}t {:<6}  {share}, {:.2}x the generic kernel{vs_f32_act}",
+            "  {:<7} {:>17}{} {:<7} {}t {:<6}  {share}, {:.2}x the generic kernel{vs_f32_act}",
             s.format,
-            format!("{}×{}", s.rows, s.cols),
+            s.shape_label(),
             if s.tokens > 1 {
                 format!(" ×{}", s.tokens)
             } else {

@@ -66,7 +66,7 @@ fn text(v: &Value, field: &str) -> String {
     }
 }
 
-/// One kernel row's identity: format, rows×cols (×tokens past 1), isa,
+/// One kernel row's identity: format, rows×cols (×tokens past 1; attention: heads/KV heads×head_dim @positions), isa,
 /// kernel, threads, residency. Files from before `--tokens` have no tokens
 /// field: they timed one token.
 fn kernel_key(k: &Value) -> String {
@@ -74,9 +74,19 @@ fn kernel_key(k: &Value) -> String {
         Value::Null => "1".to_string(),
         _ => text(k, "tokens"),
     };
-    let shape = format!("{}×{}", text(k, "rows"), text(k, "cols"));
+    let mut shape = format!("{}×{}", text(k, "rows"), text(k, "cols"));
+    // Attention rows: heads×head_dim, then the KV heads and positions.
+    if k["attn"].is_object() {
+        shape = format!(
+            "{}h/{}kv×{} @{}",
+            text(k, "rows"),
+            text(&k["attn"], "kv_heads"),
+            text(k, "cols"),
+            text(&k["attn"], "context")
+        );
+    }
     format!(
-        "{:<7} {:>16} {:<7} {:<11} {:>2}t {:<6}",
+        "{:<7} {:>17} {:<7} {:<11} {:>2}t {:<6}",
         text(k, "format"),
         if tokens == "1" {
             shape
@@ -158,9 +168,9 @@ fn compare_kernels(a: &Run, b: &Run, out: &mut String) -> Result<(), String> {
     let kb = b.v["kernels"].as_array().cloned().unwrap_or_default();
     writeln!(
         out,
-        "{:<7} {:>16} {:<7} {:<11} {:>3} {:<6} {:>11} {:>11} {:>8} {:>8} {:>7} {:>7} {:>6}",
+        "{:<7} {:>17} {:<7} {:<11} {:>3} {:<6} {:>11} {:>11} {:>8} {:>8} {:>7} {:>7} {:>6}",
         "fmt",
-        "rows×cols",
+        "shape",
         "isa",
         "kernel",
         "thr",

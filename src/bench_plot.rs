@@ -26,8 +26,12 @@ pub fn svg(r: &Results) -> String {
     let mut rows: Vec<(String, usize, Vec<Option<f64>>)> = Vec::new();
     for k in &r.kernels {
         let label = format!(
-            "{} {}×{} {} {}t {}",
-            k.format, k.rows, k.cols, k.isa, k.threads, k.residency
+            "{} {} {} {}t {}",
+            k.format,
+            k.shape_label(),
+            k.isa,
+            k.threads,
+            k.residency
         );
         let i = match rows.iter().position(|(l, _, _)| *l == label) {
             Some(i) => i,

@@ -282,6 +282,68 @@ fn bench_kernels_shape_sets() {
     std::fs::remove_file(&path).ok();
 }
 
+/// `bench kernels --formats attn`: the attention kernel at the model's
+/// shape, specialised and generic per variant, GB/s of keys and values
+/// read; `bench compare` matches those rows; a bad `--context` is refused.
+#[test]
+fn bench_kernels_attention() {
+    let tmp = |name: &str| {
+        std::env::temp_dir()
+            .join(format!("bespoke-bench-attn-{}-{name}", std::process::id()))
+            .to_str()
+            .unwrap()
+            .to_string()
+    };
+    let a = tmp("a.json");
+    // tiny-qwen3: 4 heads over 2 KV heads of 32
+    let (ok, out, err) = run(&words(&format!(
+        "bench kernels --quick --threads 1 --model fixtures/tiny-qwen3 --formats attn --context 40 --json {a}"
+    )));
+    assert!(ok, "{err}");
+    assert!(out.contains("4h/2kv×32 @40"), "{out}");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&a).unwrap()).unwrap();
+    let ks = v["kernels"].as_array().unwrap();
+    assert!(!ks.is_empty());
+    for k in ks {
+        assert_eq!(k["format"], "attn", "{k}");
+        assert_eq!(
+            (k["rows"].as_u64(), k["cols"].as_u64()),
+            (Some(4), Some(32)),
+            "{k}"
+        );
+        assert_eq!(k["attn"]["kv_heads"].as_u64(), Some(2), "{k}");
+        assert_eq!(k["attn"]["context"].as_u64(), Some(40), "{k}");
+        // 2 × 40 positions × 2 KV heads × 32 floats
+        let bytes = 2.0 * 40.0 * 2.0 * 32.0 * 4.0;
+        let gb = k["gb_per_s"].as_f64().unwrap();
+        let us = k["median_us"].as_f64().unwrap();
+        assert!((gb - bytes / us / 1e3).abs() <= 1e-6 * gb, "{k}");
+    }
+    for isa in ["scalar", "avx2", "avx512", "neon"] {
+        let ran =
+            bespoke::kernels::Kernels::with_isa(bespoke::plan::Isa::parse(isa).unwrap()).is_ok();
+        if ran
+            && bespoke::kernels::COMPILED_ISAS
+                .iter()
+                .any(|i| i.name() == isa)
+        {
+            assert!(
+                ks.iter()
+                    .any(|k| k["isa"] == isa && k["kernel"] == "generic"),
+                "{isa}"
+            );
+        }
+    }
+    let (ok, out, err) = run(&["bench", "compare", &a, &a]);
+    assert!(
+        ok && out.contains("4h/2kv×32 @40") && out.contains("geometric mean ratio 1.000x"),
+        "{out}{err}"
+    );
+    let (ok, _, err) = run(&words("bench kernels --quick --formats attn --context 0"));
+    assert!(!ok && err.contains("--context 0"), "{err}");
+    std::fs::remove_file(&a).ok();
+}
+
 #[test]
 fn help_explains_the_commands() {
     let (ok, out, _) = run(&["--help"]);

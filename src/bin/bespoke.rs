@@ -171,10 +171,17 @@ enum BenchWhat {
         /// fp8, fp4, fp4q8 — the fp4×q8 variant: FP4 weights times
         /// activations rounded to int8 per 32 columns, quantization included —
         /// bf16dot — BF16 weights times activations rounded to BF16, on
-        /// AVX512_BF16 CPUs, rounding included — and fp8dot, the same for
-        /// FP8 weights). Default: bf16,fp8,fp4,fp4q8,bf16dot,fp8dot.
+        /// AVX512_BF16 CPUs, rounding included — fp8dot, the same for
+        /// FP8 weights — and attn, the attention-decode kernel at the shape
+        /// set's attention shapes, one query against --context positions).
+        /// Default: bf16,fp8,fp4,fp4q8,bf16dot,fp8dot,attn.
         #[arg(long, value_name = "LIST")]
         formats: Option<String>,
+        /// Positions in the KV cache of the attn cases (keys and values f32,
+        /// all read per call; GB/s counts them). Default: 4096, or 512 with
+        /// --quick.
+        #[arg(long, value_name = "N")]
+        context: Option<usize>,
         /// Only these ISA variants (comma-separated, e.g. `avx512` or
         /// `avx2,avx512`). Default: every compiled variant this CPU runs.
         #[arg(long, value_name = "LIST")]
@@ -368,20 +375,22 @@ fn run(cli: Cli) -> Result<(), String> {
                     isa,
                     weight_offset,
                     tokens,
+                    context,
                 },
         } => {
             let n = threads::init(threads::resolve(t)?);
-            let list = formats.unwrap_or_else(|| "bf16,fp8,fp4,fp4q8,bf16dot,fp8dot".into());
+            let list = formats.unwrap_or_else(|| "bf16,fp8,fp4,fp4q8,bf16dot,fp8dot,attn".into());
             let mut formats = Vec::new();
-            let (mut fp4_q8, mut bf16dot, mut fp8dot) = (false, false, false);
+            let (mut fp4_q8, mut bf16dot, mut fp8dot, mut attention) = (false, false, false, false);
             for s in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
                 match s {
                     "fp4q8" => fp4_q8 = true,
                     "bf16dot" => bf16dot = true,
                     "fp8dot" => fp8dot = true,
+                    "attn" => attention = true,
                     _ => formats.push(plan::Format::parse(s).ok_or_else(|| {
                         format!(
-                            "--formats: unknown format {s:?} (f32, bf16, fp8, fp4, fp4q8, bf16dot, fp8dot)"
+                            "--formats: unknown format {s:?} (f32, bf16, fp8, fp4, fp4q8, bf16dot, fp8dot, attn)"
                         )
                     })?),
                 }
@@ -413,6 +422,8 @@ fn run(cli: Cli) -> Result<(), String> {
                 isas,
                 weight_offset,
                 tokens,
+                attention,
+                context,
             };
             let results = bench::kernels(&opts)?;
             if let Some(path) = json {
