@@ -138,9 +138,10 @@ enum BenchWhat {
         b: PathBuf,
     },
     /// Time every FP4 / FP8 / BF16 matvec this build specialised at DeepSeek V4
-    /// Flash expert shapes and the fixture's shapes, per ISA variant,
-    /// specialised and generic, 1 thread and all threads, weights cache-resident
-    /// and streamed from memory, next to the machine's read bandwidth measured
+    /// Flash expert shapes and the fixture's shapes, and the attention-decode
+    /// kernel at its shapes, per ISA variant, specialised and generic, 1
+    /// thread and all threads, weights (keys and values) cache-resident and
+    /// streamed from memory, next to the machine's read bandwidth measured
     /// in the same run.
     Kernels {
         /// Thread count for the "all threads" runs (default: physical cores).
