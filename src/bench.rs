@@ -622,6 +622,109 @@ fn cases(formats: &[Format]) -> Vec<(Format, usize, usize, String)> {
     out
 }
 
+/// Times a case's kernels side by side, their samples interleaved; a
+/// streamed case (`read`: the probe's buffer and streams per thread) also
+/// times the plain read in the same interleaving, so that drift on a shared
+/// machine hits both alike. Returns each kernel's (median, min, max)
+/// seconds and the read GB/s to set them against (`bw`, the run's figure,
+/// when cache-resident).
+fn time_case<'a>(
+    pool: &rayon::ThreadPool,
+    mut calls: Vec<Box<dyn FnMut() + Send + 'a>>,
+    read: Option<(&'a [u64], usize)>,
+    bw: f64,
+    samples: usize,
+    min_sample: Duration,
+) -> (Vec<(f64, f64, f64)>, f64) {
+    if let Some((buf, streams)) = read {
+        calls.push(Box::new(move || {
+            black_box(stream_read(black_box(buf), streams));
+        }));
+    }
+    let mut stats = pool.install(|| {
+        let mut refs: Vec<&mut dyn FnMut()> = calls
+            .iter_mut()
+            .map(|c| c.as_mut() as &mut dyn FnMut())
+            .collect();
+        time_interleaved(&mut refs, samples, min_sample)
+    });
+    let read_gb = match read {
+        Some((buf, _)) => stats
+            .pop()
+            .map_or(bw, |r| std::mem::size_of_val(buf) as f64 / r.0 / 1e9),
+        None => bw,
+    };
+    (stats, read_gb)
+}
+
+/// What names a measurement: a [`KernelResult`] but its kernel kind and
+/// figures.
+struct CaseId {
+    format: String,
+    rows: usize,
+    cols: usize,
+    tokens: usize,
+    origin: String,
+    isa: String,
+    threads: usize,
+    residency: &'static str,
+    attn: Option<AttnBench>,
+}
+
+impl CaseId {
+    /// The results of the case's kernels (their kinds, in the order of
+    /// `stats`, each (median, min, max) seconds): `bytes` read and `flops`
+    /// done per call.
+    fn results<'k>(
+        &self,
+        kinds: impl Iterator<Item = &'k str>,
+        stats: Vec<(f64, f64, f64)>,
+        bytes: f64,
+        flops: f64,
+        read_gb: f64,
+        peak: Option<f64>,
+    ) -> Vec<KernelResult> {
+        kinds
+            .zip(stats)
+            .map(|(kind, t)| self.result(kind, t, bytes, flops, read_gb, peak))
+            .collect()
+    }
+
+    fn result(
+        &self,
+        kernel: &str,
+        t: (f64, f64, f64),
+        bytes: f64,
+        flops: f64,
+        read_gb: f64,
+        peak: Option<f64>,
+    ) -> KernelResult {
+        let (med, min, max) = t;
+        let (gb, gflop) = (bytes / med / 1e9, flops / med / 1e9);
+        KernelResult {
+            format: self.format.clone(),
+            rows: self.rows,
+            cols: self.cols,
+            tokens: self.tokens,
+            origin: self.origin.clone(),
+            isa: self.isa.clone(),
+            kernel: kernel.to_string(),
+            threads: self.threads,
+            residency: self.residency.to_string(),
+            median_us: med * 1e6,
+            min_us: min * 1e6,
+            max_us: max * 1e6,
+            gb_per_s: gb,
+            gflop_per_s: gflop,
+            bandwidth_fraction: gb / read_gb,
+            read_gb_per_s: read_gb,
+            peak_gflop_per_s: peak,
+            peak_fraction: peak.map(|p| gflop / p),
+            attn: self.attn,
+        }
+    }
+}
+
 /// An attention case: the shape, whether it has sinks, where it comes from.
 struct AttnCase {
     shape: crate::plan::AttnShape,
@@ -774,7 +877,7 @@ fn time_attention(
                     } else {
                         stream.iter().collect()
                     };
-                    let mut calls: Vec<Box<dyn FnMut() + Send>> = kinds
+                    let calls: Vec<Box<dyn FnMut() + Send>> = kinds
                         .iter()
                         .map(|&(_, kern)| {
                             let (caches, q, sinks) = (&caches, &q, &sinks);
@@ -802,54 +905,26 @@ fn time_attention(
                             }) as Box<dyn FnMut() + Send>
                         })
                         .collect();
-                    if residency == "stream" {
-                        let buf = run.read_buf;
-                        calls.push(Box::new(move || {
-                            black_box(stream_read(black_box(buf), read_streams));
-                        }));
-                    }
-                    let stats = pool.install(|| {
-                        let mut refs: Vec<&mut dyn FnMut()> = calls
-                            .iter_mut()
-                            .map(|c| c.as_mut() as &mut dyn FnMut())
-                            .collect();
-                        time_interleaved(&mut refs, run.samples, run.min_sample)
-                    });
-                    let read_gb = if residency == "stream" {
-                        stats.last().map_or(bw, |r| {
-                            std::mem::size_of_val(run.read_buf) as f64 / r.0 / 1e9
-                        })
-                    } else {
-                        bw
+                    let read = (residency == "stream").then_some((run.read_buf, read_streams));
+                    let (stats, read_gb) =
+                        time_case(&pool, calls, read, bw, run.samples, run.min_sample);
+                    let id = CaseId {
+                        format: "attn".into(),
+                        rows: h,
+                        cols: hd,
+                        tokens: 1,
+                        origin: c.origin.clone(),
+                        isa: k.isa().to_string(),
+                        threads: t,
+                        residency,
+                        attn: Some(info),
                     };
+                    // A multiply-add per head, position and component, for
+                    // the scores and again for the values.
+                    let flops = 4.0 * (h * context * hd) as f64;
                     let peak = peak_of(k.isa(), t);
-                    for (&(kind, _), (med, min, max)) in kinds.iter().zip(stats) {
-                        let gb = bytes as f64 / med / 1e9;
-                        // A multiply-add per head, position and component,
-                        // for the scores and again for the values.
-                        let gflop = 4.0 * (h * context * hd) as f64 / med / 1e9;
-                        results.push(KernelResult {
-                            format: "attn".into(),
-                            rows: h,
-                            cols: hd,
-                            tokens: 1,
-                            origin: c.origin.clone(),
-                            isa: k.isa().to_string(),
-                            kernel: kind.to_string(),
-                            threads: t,
-                            residency: residency.into(),
-                            median_us: med * 1e6,
-                            min_us: min * 1e6,
-                            max_us: max * 1e6,
-                            gb_per_s: gb,
-                            gflop_per_s: gflop,
-                            bandwidth_fraction: gb / read_gb,
-                            read_gb_per_s: read_gb,
-                            peak_gflop_per_s: peak,
-                            peak_fraction: peak.map(|p| gflop / p),
-                            attn: Some(info),
-                        });
-                    }
+                    let names = kinds.iter().map(|k| k.0);
+                    results.extend(id.results(names, stats, bytes as f64, flops, read_gb, peak));
                 }
             }
         }
@@ -1109,7 +1184,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                             .collect()
                     };
                     // Specialised and generic timed side by side, samples interleaved.
-                    let mut calls: Vec<Box<dyn FnMut() + Send>> = kinds
+                    let calls: Vec<Box<dyn FnMut() + Send>> = kinds
                         .iter()
                         .map(|(_, kern)| {
                             let (mats, x, k, kern) = (&mats, &x, *k, *kern);
@@ -1139,53 +1214,23 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                             }) as Box<dyn FnMut() + Send>
                         })
                         .collect();
-                    // Streamed: the plain read too, in the same interleaving.
-                    if residency == "stream" {
-                        let buf = &read_buf;
-                        calls.push(Box::new(move || {
-                            black_box(stream_read(black_box(buf), read_streams));
-                        }));
-                    }
-                    let stats = pool.install(|| {
-                        let mut refs: Vec<&mut dyn FnMut()> = calls
-                            .iter_mut()
-                            .map(|c| c.as_mut() as &mut dyn FnMut())
-                            .collect();
-                        time_interleaved(&mut refs, samples, min_sample)
-                    });
-                    let read_gb = if residency == "stream" {
-                        stats.last().map_or(bw, |r| {
-                            std::mem::size_of_val(&read_buf[..]) as f64 / r.0 / 1e9
-                        })
-                    } else {
-                        bw
+                    let read = (residency == "stream").then_some((&read_buf[..], read_streams));
+                    let (stats, read_gb) = time_case(&pool, calls, read, bw, samples, min_sample);
+                    let id = CaseId {
+                        format: label.clone(),
+                        rows,
+                        cols,
+                        tokens: n_tok,
+                        origin: origin.clone(),
+                        isa: k.isa().to_string(),
+                        threads: t,
+                        residency,
+                        attn: None,
                     };
+                    let flops = 2.0 * rows as f64 * cols as f64 * n_tok as f64;
                     let peak = peak_of(k.isa(), act, t);
-                    for ((kind, _), (med, min, max)) in kinds.iter().zip(stats) {
-                        let gb = bytes as f64 / med / 1e9;
-                        let gflop = 2.0 * rows as f64 * cols as f64 * n_tok as f64 / med / 1e9;
-                        results.push(KernelResult {
-                            format: label.clone(),
-                            rows,
-                            cols,
-                            tokens: n_tok,
-                            origin: origin.clone(),
-                            isa: k.isa().to_string(),
-                            kernel: kind.to_string(),
-                            threads: t,
-                            residency: residency.into(),
-                            median_us: med * 1e6,
-                            min_us: min * 1e6,
-                            max_us: max * 1e6,
-                            gb_per_s: gb,
-                            gflop_per_s: gflop,
-                            bandwidth_fraction: gb / read_gb,
-                            read_gb_per_s: read_gb,
-                            peak_gflop_per_s: peak,
-                            peak_fraction: peak.map(|p| gflop / p),
-                            attn: None,
-                        });
-                    }
+                    let names = kinds.iter().map(|k| k.0);
+                    results.extend(id.results(names, stats, bytes as f64, flops, read_gb, peak));
                 }
             }
         }

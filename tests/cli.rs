@@ -8,6 +8,15 @@ fn words(line: &str) -> Vec<&str> {
     line.split_whitespace().collect()
 }
 
+/// A path in the temporary directory, unique to this test process.
+fn tmp(prefix: &str, name: &str) -> String {
+    std::env::temp_dir()
+        .join(format!("bespoke-{prefix}-{}-{name}", std::process::id()))
+        .to_str()
+        .unwrap()
+        .to_string()
+}
+
 fn run(args: &[&str]) -> (bool, String, String) {
     run_env(args, &[])
 }
@@ -144,13 +153,7 @@ fn plan_json_is_the_build_plan() {
 /// then `bench compare` of the two runs (and its errors).
 #[test]
 fn bench_kernels_quick_json_plot_and_compare() {
-    let tmp = |name: &str| {
-        std::env::temp_dir()
-            .join(format!("bespoke-bench-{}-{name}", std::process::id()))
-            .to_str()
-            .unwrap()
-            .to_string()
-    };
+    let tmp = |name: &str| tmp("bench", name);
     let (a, b, svg) = (tmp("a.json"), tmp("b.json"), tmp("a.svg"));
     for (path, formats) in [(&a, "bf16,fp4q8"), (&b, "bf16,fp4")] {
         let mut args = vec![
@@ -287,13 +290,7 @@ fn bench_kernels_shape_sets() {
 /// read; `bench compare` matches those rows; a bad `--context` is refused.
 #[test]
 fn bench_kernels_attention() {
-    let tmp = |name: &str| {
-        std::env::temp_dir()
-            .join(format!("bespoke-bench-attn-{}-{name}", std::process::id()))
-            .to_str()
-            .unwrap()
-            .to_string()
-    };
+    let tmp = |name: &str| tmp("bench-attn", name);
     let a = tmp("a.json");
     // tiny-qwen3: 4 heads over 2 KV heads of 32
     let (ok, out, err) = run(&words(&format!(
