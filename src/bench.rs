@@ -570,21 +570,27 @@ pub(crate) fn shape_cases(
     set: &ShapeSet,
     formats: &[Format],
 ) -> Result<Vec<(Format, usize, usize, String)>, String> {
+    match set_config(set)? {
+        None => Ok(cases(formats)),
+        Some(cfg) => model_cases(&cfg, formats),
+    }
+}
+
+/// The model config of a shape set (None for the default set): a built-in
+/// DeepSeek V4 config, or the model directory's.
+fn set_config(set: &ShapeSet) -> Result<Option<crate::plan::ModelConfig>, String> {
+    let builtin = |name, text| crate::plan::ModelConfig::from_json_str(name, text);
     match set {
-        ShapeSet::Default => Ok(cases(formats)),
-        ShapeSet::Dsv4Flash | ShapeSet::Dsv4Pro => {
-            let (name, text) = match set {
-                ShapeSet::Dsv4Flash => ("built-in deepseek-v4-flash", DSV4_FLASH_CONFIG),
-                _ => ("built-in deepseek-v4-pro", DSV4_PRO_CONFIG),
-            };
-            let cfg =
-                crate::plan::ModelConfig::from_json_str(name, text).map_err(|e| e.to_string())?;
-            model_cases(&cfg, formats)
-        }
-        ShapeSet::Model(dir) => {
-            let cfg = crate::plan::load_config(dir).map_err(|e| e.to_string())?;
-            model_cases(&cfg, formats)
-        }
+        ShapeSet::Default => Ok(None),
+        ShapeSet::Dsv4Flash => builtin("built-in deepseek-v4-flash", DSV4_FLASH_CONFIG)
+            .map(Some)
+            .map_err(|e| e.to_string()),
+        ShapeSet::Dsv4Pro => builtin("built-in deepseek-v4-pro", DSV4_PRO_CONFIG)
+            .map(Some)
+            .map_err(|e| e.to_string()),
+        ShapeSet::Model(dir) => crate::plan::load_config(dir)
+            .map(Some)
+            .map_err(|e| e.to_string()),
     }
 }
 
@@ -735,57 +741,43 @@ struct AttnCase {
 /// The attention shapes of a shape set: the build's specialised ones for
 /// the default set, else the model's.
 fn attn_cases(set: &ShapeSet) -> Result<Vec<AttnCase>, String> {
-    let of_config = |cfg: &crate::plan::ModelConfig, origin: &str| -> Vec<AttnCase> {
-        crate::plan::attn_shapes(cfg)
+    if let Some(cfg) = set_config(set)? {
+        let origin = match set {
+            ShapeSet::Dsv4Flash => "dsv4-flash attention",
+            ShapeSet::Dsv4Pro => "dsv4-pro attention",
+            _ => "attention",
+        };
+        return Ok(crate::plan::attn_shapes(&cfg)
             .into_iter()
             .map(|shape| AttnCase {
                 shape,
                 sinks: cfg.dsv4.is_some(),
                 origin: origin.to_string(),
             })
-            .collect()
-    };
-    match set {
-        ShapeSet::Default => {
-            let plan = crate::report::build_plan();
-            Ok(plan
-                .attn_shapes
-                .iter()
-                .map(|&shape| {
-                    let users: Vec<String> = plan
-                        .models
-                        .iter()
-                        .filter(|m| m.attn.contains(&shape))
-                        .map(|m| crate::report::short_source(&m.source))
-                        .collect();
-                    AttnCase {
-                        shape,
-                        sinks: users
-                            .iter()
-                            .any(|u| u.contains("dsv4") || u.contains("deepseek")),
-                        origin: users.join(", "),
-                    }
-                })
-                .collect())
-        }
-        ShapeSet::Dsv4Flash => Ok(of_config(
-            &crate::plan::ModelConfig::from_json_str(
-                "built-in deepseek-v4-flash",
-                DSV4_FLASH_CONFIG,
-            )
-            .map_err(|e| e.to_string())?,
-            "dsv4-flash attention",
-        )),
-        ShapeSet::Dsv4Pro => Ok(of_config(
-            &crate::plan::ModelConfig::from_json_str("built-in deepseek-v4-pro", DSV4_PRO_CONFIG)
-                .map_err(|e| e.to_string())?,
-            "dsv4-pro attention",
-        )),
-        ShapeSet::Model(dir) => {
-            let cfg = crate::plan::load_config(dir).map_err(|e| e.to_string())?;
-            Ok(of_config(&cfg, "attention"))
-        }
+            .collect());
     }
+    let plan = crate::report::build_plan();
+    Ok(plan
+        .attn_shapes
+        .iter()
+        .map(|&shape| {
+            let users: Vec<_> = plan
+                .models
+                .iter()
+                .filter(|m| m.attn.contains(&shape))
+                .collect();
+            AttnCase {
+                shape,
+                // The summary starts with the model type (ModelConfig::describe).
+                sinks: users.iter().any(|m| m.summary.starts_with("deepseek_v4 ")),
+                origin: users
+                    .iter()
+                    .map(|m| crate::report::short_source(&m.source))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            }
+        })
+        .collect())
 }
 
 /// What every case of a run shares.

@@ -235,8 +235,8 @@ pub struct IsaDesc {
     /// (slot-order x, two 8-lane chains per row) takes the same limit:
     /// forced on that Zen 4 VM (`BESPOKE_KERNELS=avx2`, `bench kernels
     /// --isa avx2 --threads 1`, builds alternated), 2048-column matrices
-    /// streamed at 22-29 GB/s where the 4-row tiles read 15-22, and decode
-    /// end to end at 1 thread rose 1.17-1.22x; cache-resident 0.45x (the
+    /// streamed at 20-29 GB/s where the 4-row tiles read 15-23, and decode
+    /// end to end at 1 thread rose 1.18-1.23x; cache-resident 0.45x (the
     /// chains' latency again). Not measured on a CPU whose best variant
     /// is AVX2.
     pub bf16_one_row_cols: usize,
