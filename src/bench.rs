@@ -806,7 +806,9 @@ fn time_attention(
     let mut results = Vec::new();
     for (ci, c) in cases.iter().enumerate() {
         let (h, kv, hd) = (c.shape.n_heads, c.shape.n_kv_heads, c.shape.head_dim);
-        let stride = kv * hd;
+        // The engines' layout: KV-head-major (each KV head's rows
+        // contiguous, as the Llama engine's cache holds them).
+        let width = kv * hd;
         let mut seed = 0x2545_F491_4F6C_DD1Du64 ^ ci as u64;
         let mut gen = move || {
             seed ^= seed << 13;
@@ -818,11 +820,11 @@ fn time_attention(
         let sinks: Vec<f32> = (0..h).map(|_| gen()).collect();
         let cache = |gen: &mut dyn FnMut() -> f32| -> (Vec<f32>, Vec<f32>) {
             (
-                (0..context * stride).map(|_| gen()).collect(),
-                (0..context * stride).map(|_| gen()).collect(),
+                (0..context * width).map(|_| gen()).collect(),
+                (0..context * width).map(|_| gen()).collect(),
             )
         };
-        let bytes = 2 * context * stride * std::mem::size_of::<f32>();
+        let bytes = 2 * context * width * std::mem::size_of::<f32>();
         let one = cache(&mut gen);
         let copies = if bytes >= 1 << 20 {
             (run.stream_bytes / bytes).max(2)
@@ -886,7 +888,8 @@ fn time_attention(
                                     n_heads: h,
                                     n_kv_heads: kv,
                                     head_dim: hd,
-                                    kv_stride: stride,
+                                    kv_stride: hd,
+                                    kv_head_stride: context * hd,
                                     t_len: context,
                                     window: 0,
                                     scale,

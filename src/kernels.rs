@@ -55,6 +55,7 @@ pub type AttnFn = unsafe extern "C" fn(
     usize,
     usize,
     usize,
+    usize,
     f32,
     usize,
     usize,
@@ -368,7 +369,9 @@ const PARALLEL_MIN_ELEMS: usize = 1 << 15;
 pub struct AttnArgs<'a> {
     /// Query [n_heads, head_dim].
     pub q: &'a [f32],
-    /// Keys: position t, KV head g at t * kv_stride + g * head_dim.
+    /// Keys: position t, KV head g at t * kv_stride + g * kv_head_stride
+    /// (position-major: kv_head_stride = head_dim; KV-head-major, as the
+    /// Llama engine's cache: kv_stride = head_dim).
     pub k: &'a [f32],
     /// Values, same layout as the keys (may be the same buffer).
     pub v: &'a [f32],
@@ -377,7 +380,10 @@ pub struct AttnArgs<'a> {
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+    /// Floats from one position's row to the next.
     pub kv_stride: usize,
+    /// Floats from one KV head's rows to the next one's.
+    pub kv_head_stride: usize,
     /// Positions in the cache (the query attends to 0..t_len, or the last `window`).
     pub t_len: usize,
     /// Sliding window (0 = none).
@@ -1252,10 +1258,19 @@ impl Kernels {
                 "attention over an empty KV cache (t_len = 0)".into(),
             ));
         }
-        if a.kv_stride < a.n_kv_heads * a.head_dim {
+        // Rows of one head, and the heads' rows at one position, must not
+        // overlap (the kernels would read them all the same: a layout that
+        // overlaps is a caller's mistake, not something to compute on).
+        if a.t_len > 1 && a.kv_stride < a.head_dim {
             return Err(KernelError::Shape(format!(
-                "kv_stride {} is smaller than one position's {} KV heads × head_dim {}",
-                a.kv_stride, a.n_kv_heads, a.head_dim
+                "kv_stride {} is smaller than head_dim {}: key/value rows would overlap",
+                a.kv_stride, a.head_dim
+            )));
+        }
+        if a.n_kv_heads > 1 && a.kv_head_stride < a.head_dim {
+            return Err(KernelError::Shape(format!(
+                "kv_head_stride {} is smaller than head_dim {}: the KV heads' rows would overlap",
+                a.kv_head_stride, a.head_dim
             )));
         }
         check_len(
@@ -1268,7 +1283,17 @@ impl Kernels {
             a.n_heads * a.head_dim,
             out.len(),
         )?;
-        let kv_needed = (a.t_len - 1) * a.kv_stride + a.n_kv_heads * a.head_dim;
+        // The last float read: the last position's row of the last KV head.
+        let kv_needed = (a.t_len - 1)
+            .checked_mul(a.kv_stride)
+            .and_then(|x| x.checked_add((a.n_kv_heads - 1).checked_mul(a.kv_head_stride)?))
+            .and_then(|x| x.checked_add(a.head_dim))
+            .ok_or_else(|| {
+                KernelError::Shape(format!(
+                    "attention KV layout overflows: {} positions × kv_stride {}, {} KV heads × kv_head_stride {}",
+                    a.t_len, a.kv_stride, a.n_kv_heads, a.kv_head_stride
+                ))
+            })?;
         for (what, buf) in [("keys", a.k), ("values", a.v)] {
             if buf.len() < kv_needed {
                 return Err(KernelError::Length {
@@ -1292,11 +1317,12 @@ impl Kernels {
         );
         let sp = SendPtr(a.sinks.map(|s| s.as_ptr()).unwrap_or(std::ptr::null()));
         let op = SendPtr(out.as_mut_ptr());
-        let (nh, nkv, hd, stride, t_len, window, scale) = (
+        let (nh, nkv, hd, stride, hstride, t_len, window, scale) = (
             a.n_heads,
             a.n_kv_heads,
             a.head_dim,
             a.kv_stride,
+            a.kv_head_stride,
             a.t_len,
             a.window,
             a.scale,
@@ -1305,7 +1331,8 @@ impl Kernels {
             let (q, kp, vp, sp, op) = (q, kp, vp, sp, op);
             let mut scratch = vec![0f32; scratch_len];
             // SAFETY: q and out hold n_heads×head_dim floats, k and v at least
-            // (t_len-1)×kv_stride + n_kv_heads×head_dim, sinks n_heads or null
+            // (t_len-1)×kv_stride + (n_kv_heads-1)×kv_head_stride + head_dim,
+            // sinks n_heads or null
             // (all checked above); scratch holds 4 × t_len rounded up to 16.
             // Concurrent calls write disjoint heads h0..h1 of out.
             unsafe {
@@ -1320,6 +1347,7 @@ impl Kernels {
                     nkv,
                     hd,
                     stride,
+                    hstride,
                     t_len,
                     window,
                     scale,

@@ -157,7 +157,7 @@ pub fn attn_decode<'a>(a: &AttnArgs<'a>) -> Vec<f32> {
     let mut out = vec![0f32; a.n_heads * hd];
     for h in 0..a.n_heads {
         let q = &a.q[h * hd..(h + 1) * hd];
-        let off = (h / group) * hd;
+        let off = (h / group) * a.kv_head_stride;
         let row =
             |buf: &'a [f32], t: usize| &buf[t * a.kv_stride + off..t * a.kv_stride + off + hd];
         let mut m = a.sinks.map(|s| s[h]).unwrap_or(f32::NEG_INFINITY);

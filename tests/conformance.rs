@@ -749,13 +749,24 @@ struct AttnCase {
     window: usize,
     sinks: bool,
     stride_pad: usize,
+    /// KV-head-major (the Llama engine's cache: each KV head's rows one
+    /// after another, room for more positions than t) instead of
+    /// position-major (every KV head of a position in one row).
+    head_major: bool,
 }
 
 fn check_attn(ks: &[Kernels], rng: &mut Rng, c: &AttnCase, specialised_expected: bool) {
-    let stride = c.kv * c.hd + c.stride_pad;
+    let (stride, head_stride, len) = if c.head_major {
+        let stride = c.hd + c.stride_pad;
+        let head_stride = (c.t + 2) * stride;
+        (stride, head_stride, c.kv * head_stride)
+    } else {
+        let stride = c.kv * c.hd + c.stride_pad;
+        (stride, c.hd, c.t * stride)
+    };
     let q: Vec<f32> = (0..c.h * c.hd).map(|_| rng.unit() * 2.0).collect();
-    let kbuf: Vec<f32> = (0..c.t * stride).map(|_| rng.unit() * 2.0).collect();
-    let vbuf: Vec<f32> = (0..c.t * stride).map(|_| rng.activation()).collect();
+    let kbuf: Vec<f32> = (0..len).map(|_| rng.unit() * 2.0).collect();
+    let vbuf: Vec<f32> = (0..len).map(|_| rng.activation()).collect();
     let sinks: Vec<f32> = (0..c.h).map(|_| rng.unit() * 3.0).collect();
     let scale = 1.0 / (c.hd as f32).sqrt();
     let a = AttnArgs {
@@ -767,6 +778,7 @@ fn check_attn(ks: &[Kernels], rng: &mut Rng, c: &AttnCase, specialised_expected:
         n_kv_heads: c.kv,
         head_dim: c.hd,
         kv_stride: stride,
+        kv_head_stride: head_stride,
         t_len: c.t,
         window: c.window,
         scale,
@@ -793,8 +805,8 @@ fn check_attn(ks: &[Kernels], rng: &mut Rng, c: &AttnCase, specialised_expected:
             k.attn_decode_with(kern, &a, &mut out).unwrap();
             if let Some((i, x, y)) = first_diff(&out, &want) {
                 panic!(
-                    "{} attention hd={} h={} kv={} t={} window={} sinks={}: element {i}: kernel {x:e}, reference {y:e}",
-                    k.isa(), c.hd, c.h, c.kv, c.t, c.window, c.sinks
+                    "{} attention hd={} h={} kv={} t={} window={} sinks={} head_major={}: element {i}: kernel {x:e}, reference {y:e}",
+                    k.isa(), c.hd, c.h, c.kv, c.t, c.window, c.sinks, c.head_major
                 );
             }
         }
@@ -834,23 +846,26 @@ fn attention_matches_reference() {
     ] {
         for &t in &[1, 5, 16, 17, 100] {
             for &(window, sinks) in &[(0, false), (7, false), (0, true), (40, true)] {
-                let c = AttnCase {
-                    hd,
-                    h,
-                    kv,
-                    t,
-                    window,
-                    sinks,
-                    stride_pad: 3,
-                };
-                check_attn(&ks, &mut rng, &c, specialised(hd, h, kv));
+                for head_major in [false, true] {
+                    let c = AttnCase {
+                        hd,
+                        h,
+                        kv,
+                        t,
+                        window,
+                        sinks,
+                        stride_pad: 3,
+                        head_major,
+                    };
+                    check_attn(&ks, &mut rng, &c, specialised(hd, h, kv));
+                }
             }
         }
     }
     // Heads shared among 3 threads (12 heads: 4 each), so that a thread's
     // range starts and ends inside a KV head's group of 6.
     bespoke::threads::pool(3).install(|| {
-        for &(t, window, sinks) in &[(100, 0, false), (120, 50, true)] {
+        for &(t, window, sinks, head_major) in &[(100, 0, false, false), (120, 50, true, true)] {
             let c = AttnCase {
                 hd: 64,
                 h: 12,
@@ -859,6 +874,7 @@ fn attention_matches_reference() {
                 window,
                 sinks,
                 stride_pad: 1,
+                head_major,
             };
             check_attn(&ks, &mut rng, &c, specialised(64, 12, 2));
         }
@@ -877,6 +893,9 @@ fn attention_matches_reference() {
                 window,
                 sinks,
                 stride_pad: 0,
+                // The engines' layouts: Llama's cache is KV-head-major,
+                // DeepSeek V4's single KV head is both.
+                head_major: true,
             };
             check_attn(&ks, &mut rng, &c, true);
         }
@@ -919,6 +938,7 @@ fn attention_edge_values() {
                         n_kv_heads: kv,
                         head_dim: hd,
                         kv_stride: stride,
+                        kv_head_stride: hd,
                         t_len: t,
                         window: 0,
                         scale,

@@ -315,6 +315,7 @@ fn attention_decode_matches_the_reference() {
             n_kv_heads: kvh,
             head_dim: hd,
             kv_stride: stride,
+            kv_head_stride: hd,
             t_len,
             window,
             scale: 1.0 / (hd as f32).sqrt(),

@@ -1098,6 +1098,7 @@ impl<'m> Dsv4Model<'m> {
                 n_kv_heads: 1,
                 head_dim: hd,
                 kv_stride: hd,
+                kv_head_stride: hd,
                 t_len: keys.len() / hd,
                 window: 0,
                 scale,

@@ -34,7 +34,12 @@ struct Layer<'m> {
     mlp: Mlp<'m>,
 }
 
-/// The KV cache of one sequence: per layer, [position][kv_heads × head_dim].
+/// The KV cache of one sequence: per layer, [kv_head][position][head_dim]
+/// for `capacity` positions. KV-head-major, so that attention, which takes
+/// a KV head's group of query heads at a time, reads that head's rows as
+/// one contiguous run (position-major, each row of head_dim floats sat
+/// kv_heads × head_dim apart, and the hardware prefetchers fetched few of
+/// them ahead).
 pub struct KvCache {
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
@@ -366,8 +371,15 @@ impl<'m> LlamaModel<'m> {
                     self.rope.rotate(head, tbl);
                 }
             }
-            cache.k[li][pos0 * kvw..(pos0 + n) * kvw].copy_from_slice(&kk);
-            cache.v[li][pos0 * kvw..(pos0 + n) * kvw].copy_from_slice(&vv);
+            let cap = cache.capacity;
+            for (dst, src) in [(&mut cache.k[li], &kk), (&mut cache.v[li], &vv)] {
+                for (i, row) in src.chunks_exact(kvw).enumerate() {
+                    for (g, head) in row.chunks_exact(hd).enumerate() {
+                        let at = (g * cap + pos0 + i) * hd;
+                        dst[at..at + hd].copy_from_slice(head);
+                    }
+                }
+            }
             for i in 0..n {
                 let args = AttnArgs {
                     q: &q[i * h * hd..(i + 1) * h * hd],
@@ -377,7 +389,8 @@ impl<'m> LlamaModel<'m> {
                     n_heads: h,
                     n_kv_heads: kvh,
                     head_dim: hd,
-                    kv_stride: kvw,
+                    kv_stride: hd,
+                    kv_head_stride: cap * hd,
                     t_len: pos0 + i + 1,
                     window: 0,
                     scale,

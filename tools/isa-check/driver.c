@@ -210,17 +210,22 @@ int main(void) {
     static const size_t cases[][4] = {{16, 8, 8, 17}, {33, 6, 3, 100}, {64, 4, 1, 5},   {18, 4, 2, 40},
                                       {512, 2, 1, 150}, {40, 9, 3, 30}, {24, 12, 2, 40}, {48, 12, 2, 37}};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; ++c) {
-        size_t hd = cases[c][0], h = cases[c][1], kv = cases[c][2], t = cases[c][3], stride = kv * hd + 3;
-        float *q = malloc(h * hd * 4), *k = malloc(t * stride * 4), *v = malloc(t * stride * 4);
+        size_t hd = cases[c][0], h = cases[c][1], kv = cases[c][2], t = cases[c][3];
+        /* Position-major rows (modes 0-2) and KV-head-major (3, 4: each KV
+         * head's rows of hd + 1 floats in a run with room for t + 1). */
+        const size_t pm_stride = kv * hd + 3, hm_stride = hd + 1, hm_head = (t + 1) * hm_stride;
+        const size_t n = t * pm_stride > kv * hm_head ? t * pm_stride : kv * hm_head;
+        float *q = malloc(h * hd * 4), *k = malloc(n * 4), *v = malloc(n * 4);
         float *sinks = malloc(h * 4), *o0 = malloc(h * hd * 4), *o1 = malloc(h * hd * 4), *scratch = malloc(4 * (t + 16) * 4);
         for (size_t i = 0; i < h * hd; ++i) q[i] = unit();
-        for (size_t i = 0; i < t * stride; ++i) k[i] = unit(), v[i] = activation();
+        for (size_t i = 0; i < n; ++i) k[i] = unit(), v[i] = activation();
         for (size_t i = 0; i < h; ++i) sinks[i] = unit() * 3.0f;
-        for (int mode = 0; mode < 3; ++mode) {
-            const float *s = mode ? sinks : NULL;
-            size_t window = mode == 2 ? 7 : 0;
-            ATTN(scalar)(q, k, v, s, o0, scratch, h, kv, hd, stride, t, window, 0.125f, 0, h);
-            ATTN(ISA)(q, k, v, s, o1, scratch, h, kv, hd, stride, t, window, 0.125f, 0, h);
+        for (int mode = 0; mode < 5; ++mode) {
+            const float *s = mode == 1 || mode == 2 || mode == 4 ? sinks : NULL;
+            size_t window = mode == 2 || mode == 4 ? 7 : 0;
+            size_t stride = mode < 3 ? pm_stride : hm_stride, head = mode < 3 ? hd : hm_head;
+            ATTN(scalar)(q, k, v, s, o0, scratch, h, kv, hd, stride, head, t, window, 0.125f, 0, h);
+            ATTN(ISA)(q, k, v, s, o1, scratch, h, kv, hd, stride, head, t, window, 0.125f, 0, h);
             snprintf(what, sizeof what, "attention hd=%zu h=%zu kv=%zu t=%zu mode=%d", hd, h, kv, t, mode);
             compare(what, o0, o1, h * hd);
         }
