@@ -862,6 +862,28 @@ fn attention_matches_reference() {
             }
         }
     }
+    // Long caches (values past 256 KiB a KV head), a window that starts
+    // far into the cache, and head_dim 512.
+    for &(hd, h, kv, t, window) in &[
+        (64, 8, 2, 1100, 0),
+        (48, 6, 3, 1400, 0),
+        (40, 4, 1, 1700, 1650),
+        (512, 4, 1, 150, 0),
+    ] {
+        for head_major in [false, true] {
+            let c = AttnCase {
+                hd,
+                h,
+                kv,
+                t,
+                window,
+                sinks: head_major,
+                stride_pad: 1,
+                head_major,
+            };
+            check_attn(&ks, &mut rng, &c, specialised(hd, h, kv));
+        }
+    }
     // Heads shared among 3 threads (12 heads: 4 each), so that a thread's
     // range starts and ends inside a KV head's group of 6.
     bespoke::threads::pool(3).install(|| {

@@ -18,7 +18,7 @@
 typedef void mv_fn(const void *, const uint8_t *, const float *, float *, size_t, size_t, size_t, size_t);
 typedef void mm_fn(const void *, const uint8_t *, const float *, float *, size_t, size_t, size_t, size_t, size_t);
 typedef void at_fn(const float *, const float *, const float *, const float *, float *, float *, size_t, size_t,
-                   size_t, size_t, size_t, size_t, float, size_t, size_t);
+                   size_t, size_t, size_t, size_t, size_t, float, size_t, size_t);
 
 #define DECL(fmt, isa) mv_fn SYM(matvec, fmt, isa); mm_fn SYM(matmul, fmt, isa);
 DECL(f32, scalar) DECL(bf16, scalar) DECL(fp8, scalar) DECL(fp4, scalar)
@@ -208,7 +208,9 @@ int main(void) {
      * group at a time, then 2, then 1 (AVX-512: groups of 4 and 2 in blocks
      * of 16 (head, key) pairs where head_dim is a multiple of 16). */
     static const size_t cases[][4] = {{16, 8, 8, 17}, {33, 6, 3, 100}, {64, 4, 1, 5},   {18, 4, 2, 40},
-                                      {512, 2, 1, 150}, {40, 9, 3, 30}, {24, 12, 2, 40}, {48, 12, 2, 37}};
+                                      {512, 2, 1, 150}, {40, 9, 3, 30}, {24, 12, 2, 40}, {48, 12, 2, 37},
+                                      /* long caches, values past 256 KiB a KV head */
+                                      {64, 8, 2, 1100}, {40, 4, 1, 1700}};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; ++c) {
         size_t hd = cases[c][0], h = cases[c][1], kv = cases[c][2], t = cases[c][3];
         /* Position-major rows (modes 0-2) and KV-head-major (3, 4: each KV
