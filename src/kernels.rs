@@ -1258,9 +1258,9 @@ impl Kernels {
                 "attention over an empty KV cache (t_len = 0)".into(),
             ));
         }
-        // Rows of one head, and the heads' rows at one position, must not
-        // overlap (the kernels would read them all the same: a layout that
-        // overlaps is a caller's mistake, not something to compute on).
+        // One head's rows, and the KV heads' rows at one position, must not
+        // overlap. The kernels would read overlapping rows without
+        // complaint, so such a layout is refused as the caller's mistake.
         if a.t_len > 1 && a.kv_stride < a.head_dim {
             return Err(KernelError::Shape(format!(
                 "kv_stride {} is smaller than head_dim {}: key/value rows would overlap",
