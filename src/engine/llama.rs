@@ -34,7 +34,7 @@ struct Layer<'m> {
     mlp: Mlp<'m>,
 }
 
-/// The KV cache of one sequence: per layer, [kv_head][position][head_dim]
+/// The KV cache of one sequence: per layer, `[kv_head][position][head_dim]`
 /// for `capacity` positions. KV-head-major, so that attention, which takes
 /// a KV head's group of query heads at a time, reads that head's rows as
 /// one contiguous run (position-major, each row of head_dim floats sat
