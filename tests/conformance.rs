@@ -1573,15 +1573,16 @@ fn report_variants() {
 fn attention_refuses_bad_layouts() {
     let k = runnable()[0];
     let (hd, h, kv, t) = (16usize, 4usize, 2usize, 5usize);
-    // 'static slices, so that one closure can build every case's arguments.
-    let q: &'static [f32] = Box::leak(vec![0.5f32; h * hd].into_boxed_slice());
+    let q = vec![0.5f32; h * hd];
     // KV-head-major, room for t positions: the last float read is
     // (kv-1)·t·hd + (t-1)·hd + hd = kv·t·hd.
-    let buf = vec![0.25f32; kv * t * hd];
-    let args = |k: &'static [f32], kv_stride, kv_head_stride| AttnArgs {
-        q,
-        k,
-        v: k,
+    let full = vec![0.25f32; kv * t * hd];
+    let short = full[..full.len() - 1].to_vec();
+    // Keys one float short of the last row, or the full buffer.
+    let args = |short_keys: bool, kv_stride, kv_head_stride| AttnArgs {
+        q: &q,
+        k: if short_keys { &short } else { &full },
+        v: &full,
         sinks: None,
         n_heads: h,
         n_kv_heads: kv,
@@ -1592,15 +1593,25 @@ fn attention_refuses_bad_layouts() {
         window: 0,
         scale: 0.25,
     };
-    let full: &'static [f32] = Box::leak(buf.clone().into_boxed_slice());
-    let short: &'static [f32] = Box::leak(buf[..buf.len() - 1].to_vec().into_boxed_slice());
     let mut out = vec![0f32; h * hd];
-    k.attn_decode(&args(full, hd, t * hd), &mut out).unwrap();
+    k.attn_decode(&args(false, hd, t * hd), &mut out).unwrap();
     for (a, want) in [
-        (args(full, hd - 1, t * hd), "kv_stride 15 is smaller than head_dim 16"),
-        (args(full, hd, hd - 1), "kv_head_stride 15 is smaller than head_dim 16"),
-        (args(short, hd, t * hd), "attention keys (at least, for 5 positions): expected 160 elements, found 159"),
-        (args(full, usize::MAX / 2, t * hd), "attention KV layout overflows"),
+        (
+            args(false, hd - 1, t * hd),
+            "kv_stride 15 is smaller than head_dim 16",
+        ),
+        (
+            args(false, hd, hd - 1),
+            "kv_head_stride 15 is smaller than head_dim 16",
+        ),
+        (
+            args(true, hd, t * hd),
+            "attention keys (at least, for 5 positions): expected 160 elements, found 159",
+        ),
+        (
+            args(false, usize::MAX / 2, t * hd),
+            "attention KV layout overflows",
+        ),
     ] {
         let e = k.attn_decode(&a, &mut out).unwrap_err().to_string();
         assert!(e.contains(want), "{e:?} should say {want:?}");
