@@ -404,3 +404,26 @@ fn matvec_row_step_is_not_combined_with_prefetch() {
         );
     }
 }
+
+/// The FP4 tiles' own prefetch (`fp4_prefetch_ahead`) asks for the line a
+/// fixed distance on from the chunk being read, which is where the stream
+/// goes only when every FP4 tile is one row read in order: it is set only
+/// on ISAs whose FP4 matvec and matmul tiles are one row, and never
+/// together with `prefetch_ahead` (whose row-aware distances it replaces).
+#[test]
+fn fp4_prefetch_only_with_one_row_tiles() {
+    let mut set = 0;
+    for isa in plan::ISAS {
+        let d = isa.desc();
+        if d.fp4_prefetch_ahead == 0 {
+            continue;
+        }
+        set += 1;
+        assert_eq!(d.prefetch_ahead, 0, "{}: both prefetches set", d.name);
+        for op in [plan::Op::Matvec, plan::Op::Matmul] {
+            let t = isa.tile(op, plan::Format::Fp4);
+            assert_eq!(t.rows, 1, "{}: {op:?} FP4 tile of {} rows", d.name, t.rows);
+        }
+    }
+    assert!(set > 0, "no ISA sets fp4_prefetch_ahead");
+}

@@ -200,6 +200,18 @@ pub struct IsaDesc {
     /// left to it (and FP8 asks for the line 1 KiB on in its row). With it,
     /// the BF16 and F32 matvec tiles prefetch their rows the same way.
     pub prefetch_ahead: usize,
+    /// Where `prefetch_ahead` is 0: how far ahead, in bytes, the FP4 tiles
+    /// ask for their rows' lines (into L2, one per 64-byte chunk), counted
+    /// along the row and on into the next rows (FP4 tiles there are one
+    /// row, and a matvec takes rows in order); 0: none. On an Intel Xeon VM
+    /// (Granite Rapids class) the one-row AVX2 FP4 matvec streamed from
+    /// memory at 2.3-3.0 GB/s, latency-bound, against 7.3-8.4 cache-resident:
+    /// the out-of-order window of a kernel spending ~60 instructions per line
+    /// keeps too few lines in flight, and the hardware prefetcher did not make
+    /// up for it. 1-4 KiB ahead into L2 all streamed at 7.0-7.5 GB/s (in a C
+    /// loop of the generated kernel, 1 thread), 8 KiB 7.0, into L1 6.9, with
+    /// no loss cache-resident.
+    pub fp4_prefetch_ahead: usize,
     /// Where those prefetches (and the fp4×q8 and bf16dot kernels' own) put
     /// the line, as `__builtin_prefetch`'s locality: 3 = every level down to
     /// L1 (prefetcht0), 2 = L2 and out (prefetcht1). L2 leaves L1 to the
@@ -263,6 +275,7 @@ impl Isa {
                 fp8_scaled: false,
                 fp8_scaled_matmul: false,
                 prefetch_ahead: 0,
+                fp4_prefetch_ahead: 0,
                 prefetch_locality: 3,
                 matvec_row_step: 1,
                 bf16_line: false,
@@ -285,6 +298,7 @@ impl Isa {
                 fp8_scaled: true,
                 fp8_scaled_matmul: true,
                 prefetch_ahead: 0,
+                fp4_prefetch_ahead: 2048,
                 prefetch_locality: 3,
                 // 4 KiB rows (BF16 4096 x 2048) streamed at 1 thread on a Zen 3 VM:
                 // 17-22 GB/s with step 1, 23-27 with 4, wherever the rows start in
@@ -329,6 +343,7 @@ impl Isa {
                 fp8_scaled: true,
                 fp8_scaled_matmul: false,
                 prefetch_ahead: 2048,
+                fp4_prefetch_ahead: 0,
                 prefetch_locality: 2,
                 matvec_row_step: 1,
                 bf16_line: true,
@@ -351,6 +366,7 @@ impl Isa {
                 fp8_scaled: false,
                 fp8_scaled_matmul: false,
                 prefetch_ahead: 0,
+                fp4_prefetch_ahead: 0,
                 prefetch_locality: 3,
                 matvec_row_step: 1,
                 bf16_line: false,
