@@ -405,9 +405,10 @@ fn matvec_row_step_is_not_combined_with_prefetch() {
     }
 }
 
-/// The FP4 tiles' own prefetch (`fp4_prefetch_ahead`) asks for the line a
-/// fixed distance on from the chunk being read, which is where the stream
-/// goes only when every FP4 tile is one row read in order: it is set only
+/// The FP4 tiles' own prefetch (`fp4_prefetch_ahead`, also taken by the
+/// fp4×q8 rows, which are one row at a time) asks for the line a fixed
+/// distance on from the chunk being read, which is where the stream goes
+/// only when every FP4 tile is one row read in order: it is set only
 /// on ISAs whose FP4 matvec and matmul tiles are one row, and never
 /// together with `prefetch_ahead` (whose row-aware distances it replaces).
 #[test]

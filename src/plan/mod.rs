@@ -210,7 +210,11 @@ pub struct IsaDesc {
     /// keeps too few lines in flight, and the hardware prefetcher did not make
     /// up for it. 1-4 KiB ahead into L2 all streamed at 7.0-7.5 GB/s (in a C
     /// loop of the generated kernel, 1 thread), 8 KiB 7.0, into L1 6.9, with
-    /// no loss cache-resident.
+    /// no loss cache-resident. The fp4×q8 rows (one row at a time, 8 blocks
+    /// a step) ask for both of a step's lines the same distance on: there
+    /// streamed fp4×q8 went from 6.5-9.9 to 10.9-11.4 GB/s at 1 thread
+    /// (`bench kernels --formats fp4q8 --isa avx2`, two alternated runs;
+    /// 4 KiB ahead 10.1-10.7).
     pub fp4_prefetch_ahead: usize,
     /// Where those prefetches (and the fp4×q8 and bf16dot kernels' own) put
     /// the line, as `__builtin_prefetch`'s locality: 3 = every level down to
