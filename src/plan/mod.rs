@@ -197,7 +197,7 @@ pub struct IsaDesc {
     /// How far ahead, in bytes of each row, the scaled-format matrix kernels
     /// prefetch their rows in the order the tiles read them (rows no longer
     /// than this: the next tile's rows); 0: none, the hardware prefetcher is
-    /// left to it (and FP8 asks for the line 1 KiB on in its row). With it,
+    /// left to it (and FP8 asks for the line 2 KiB on in its row). With it,
     /// the BF16 and F32 matvec tiles prefetch their rows the same way.
     pub prefetch_ahead: usize,
     /// Where `prefetch_ahead` is 0: how far ahead, in bytes, the FP4 tiles
