@@ -205,11 +205,11 @@ pub struct IsaDesc {
     /// along the row and on into the next rows (FP4 tiles there are one
     /// row, and a matvec takes rows in order); 0: none. On an Intel Xeon VM
     /// (Granite Rapids class) the one-row AVX2 FP4 matvec streamed from
-    /// memory at 2.3-3.0 GB/s, latency-bound, against 7.3-8.4 cache-resident:
+    /// memory at 2.3-3.0 GB/s, latency-bound, against 7.3-8.9 cache-resident:
     /// the out-of-order window of a kernel spending ~60 instructions per line
     /// keeps too few lines in flight, and the hardware prefetcher did not make
-    /// up for it. 1-4 KiB ahead into L2 all streamed at 7.0-7.5 GB/s (in a C
-    /// loop of the generated kernel, 1 thread), 8 KiB 7.0, into L1 6.9, with
+    /// up for it. 1-4 KiB ahead into L2 all streamed at 7.2-7.4 GB/s (in a C
+    /// loop of the generated kernel, 1 thread), 8 KiB 7.0, into L1 6.9-7.2, with
     /// no loss cache-resident. The fp4×q8 rows (one row at a time, 8 blocks
     /// a step) ask for both of a step's lines the same distance on: there
     /// streamed fp4×q8 went from 6.5-9.9 to 10.9-11.4 GB/s at 1 thread
@@ -351,7 +351,7 @@ impl Isa {
                 // -> 19.2-19.3 tok/s at 1 thread and 31.0-31.1 -> 33.7-34.1 at 2
                 // (`bench e2e --prompt-len 8 --gen 48`, two alternations); BF16
                 // 4096 x 2048 streamed 14.6-15.3 -> 16.5-17.3 GB/s, FP8 and FP4
-                // level to +5 %. 2 KiB was the Zen 4 setting; not re-measured there.
+                // -2 to +8 %. 2 KiB was the Zen 4 setting; not re-measured there.
                 prefetch_ahead: 4096,
                 fp4_prefetch_ahead: 0,
                 prefetch_locality: 2,
