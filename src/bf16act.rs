@@ -30,6 +30,11 @@ pub enum Bf16Act {
     /// Activations rounded to BF16, VDPBF16PS pair products (the bf16dot
     /// or fp8dot kernels; AVX-512 BF16 CPUs only).
     Bf16,
+    /// BF16 matrices only: products of [`AMX_MIN_TOKENS`] or more tokens
+    /// (prefill) on AMX tiles, activations rounded to BF16 (the amx
+    /// kernels; Intel CPUs with AMX-BF16); one token (decode) through the
+    /// f32 kernels, bit-identical to the reference.
+    Amx,
 }
 
 impl Bf16Act {
@@ -37,6 +42,7 @@ impl Bf16Act {
         match self {
             Bf16Act::F32 => "f32",
             Bf16Act::Bf16 => "bf16",
+            Bf16Act::Amx => "amx",
         }
     }
 }
@@ -138,6 +144,148 @@ impl Bf16X {
     }
 }
 
+/// The fewest tokens a product takes to go to the amx kernels (with
+/// `--bf16-act amx`); a single token goes through the f32 kernels.
+pub const AMX_MIN_TOKENS: usize = 2;
+
+/// Tokens per AMX token group (the columns of a sum tile).
+const AMX_GROUP: usize = 16;
+
+/// u32 pairs per (token group, 32-column chunk) in [`AmxX`]: 16 pairs × 16
+/// tokens.
+const AMX_BLOCK: usize = 256;
+
+/// Activations for the amx kernels: n tokens of `cols` columns rounded to
+/// BF16 (as [`round`]), in the tiles' pair layout `[ceil(n/16)][ceil(cols/32)]
+/// [16 pairs][16 tokens]` of u32, each the BF16 values of columns 2p and
+/// 2p + 1 of one token (low half the even column); zero past `cols` and past
+/// `n`. Built only by [`AmxX::pack_from`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AmxX {
+    pub(crate) b: Vec<u32>,
+    pub(crate) n: usize,
+    pub(crate) cols: usize,
+}
+
+impl AmxX {
+    pub fn n(&self) -> usize {
+        self.n
+    }
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// The packed pairs (see [`AmxX`]).
+    pub fn pairs(&self) -> &[u32] {
+        &self.b
+    }
+    /// How many u32 the layout holds for n tokens of `cols` columns.
+    pub fn len_for(n: usize, cols: usize) -> Option<usize> {
+        n.div_ceil(AMX_GROUP)
+            .checked_mul(cols.div_ceil(CHUNK))?
+            .checked_mul(AMX_BLOCK)
+    }
+
+    pub fn pack(x: &[f32], n: usize, cols: usize) -> Result<AmxX, KernelError> {
+        let mut a = AmxX::default();
+        a.pack_from(x, n, cols)?;
+        Ok(a)
+    }
+
+    /// Round x (`[n][cols]`, row-major by token) into these buffers (reused
+    /// across calls).
+    pub fn pack_from(&mut self, x: &[f32], n: usize, cols: usize) -> Result<(), KernelError> {
+        let want = n
+            .checked_mul(cols)
+            .ok_or_else(|| KernelError::Shape("amx: n × cols overflows".into()))?;
+        if x.len() != want {
+            return Err(KernelError::Length {
+                what: format!("amx activations [{n}, {cols}]"),
+                expected: want,
+                found: x.len(),
+            });
+        }
+        let len = Self::len_for(n, cols)
+            .ok_or_else(|| KernelError::Shape("amx: packed activations overflow".into()))?;
+        self.b.clear();
+        self.b.resize(len, 0);
+        let nk = cols.div_ceil(CHUNK);
+        let group = AMX_BLOCK * nk;
+        if cols > 0 && n > 0 {
+            // One token group: its tokens' pairs, chunk by chunk (each value
+            // rounded alone, so the split across threads changes nothing).
+            let pack = |(g, out): (usize, &mut [u32])| {
+                let j0 = g * AMX_GROUP;
+                for t in 0..AMX_GROUP.min(n - j0) {
+                    let row = &x[(j0 + t) * cols..(j0 + t + 1) * cols];
+                    let (pairs, rest) = row.as_chunks::<2>();
+                    for (p, pr) in pairs.iter().enumerate() {
+                        let v = u32::from(round(pr[0])) | u32::from(round(pr[1])) << 16;
+                        out[(p / 16) * AMX_BLOCK + (p % 16) * AMX_GROUP + t] = v;
+                    }
+                    if let [last] = rest {
+                        let p = pairs.len();
+                        out[(p / 16) * AMX_BLOCK + (p % 16) * AMX_GROUP + t] =
+                            u32::from(round(*last));
+                    }
+                }
+            };
+            if crate::threads::split_elementwise(x.len()) {
+                use rayon::prelude::*;
+                self.b
+                    .par_chunks_exact_mut(group)
+                    .enumerate()
+                    .for_each(pack);
+            } else {
+                self.b.chunks_exact_mut(group).enumerate().for_each(pack);
+            }
+        }
+        self.n = n;
+        self.cols = cols;
+        Ok(())
+    }
+}
+
+/// Zero of v's sign for a subnormal (AMX's flush of inputs and results), else v.
+fn ftz_signed(v: f32) -> f32 {
+    if v.is_subnormal() {
+        0.0f32.copysign(v)
+    } else {
+        v
+    }
+}
+
+/// One output of the amx definition (templates/amx.c.tera): row `w` (BF16
+/// bits, `cols` long) against one token's activations `x` already rounded
+/// (at least `cols` values; read as zero past `cols`). Per 32-column chunk,
+/// the even columns' products and the odd columns' each in their own chain
+/// from +0, one rounding per step; then acc += (even + odd).
+pub fn amx_row_dot(w: &[u16], x: &[u16]) -> f32 {
+    let cols = w.len();
+    let get = |c: usize| -> (f32, f32) {
+        if c < cols {
+            (
+                ftz_signed(formats::bf16_to_f32(w[c])),
+                ftz_signed(formats::bf16_to_f32(x[c])),
+            )
+        } else {
+            (0.0, 0.0)
+        }
+    };
+    let mut acc = 0.0f32;
+    for k in 0..cols.div_ceil(CHUNK) {
+        let (mut e, mut o) = (0.0f32, 0.0f32);
+        for l in 0..CHUNK / 2 {
+            let c0 = CHUNK * k + 2 * l;
+            let (w0, x0) = get(c0);
+            let (w1, x1) = get(c0 + 1);
+            e = ftz_signed(w0.mul_add(x0, e));
+            o = ftz_signed(w1.mul_add(x1, o));
+        }
+        acc = ftz_signed(acc + ftz_signed(e + o));
+    }
+    acc
+}
+
 /// Zero for a subnormal (VDPBF16PS's flush of its inputs and of each sum,
 /// which gives +0 on the Zen 5 measured whatever the sign), else v.
 fn ftz(v: f32) -> f32 {
@@ -236,8 +384,22 @@ pub fn fp8_row_dot(codes: &[u8], scales: &[u8], x: &[u16]) -> f32 {
 ///   (2·chunks + 4)·2⁻²⁴·(1 + 2⁻²⁴)^… ≈ (2·chunks + 5)·2⁻²⁴·Σ|w·x̂|;
 /// - every flushed sum: under 2⁻¹²⁶ each, 2 per column pair (3 allowed).
 pub fn error_bound(w: &[u16], x: &[f32]) -> f64 {
-    let two = |e: i32| f64::powi(2.0, e);
     let chunks = w.len().div_ceil(CHUNK) as f64;
+    bound_with_adds(w, x, 2.0 * chunks + 5.0)
+}
+
+/// The same bound for the amx definition ([`amx_row_dot`]): a product
+/// meets at most 16 additions in its chain, one joining the two chains and
+/// one per chunk into acc, (chunks + 17 (+1 allowed))·2⁻²⁴·Σ|w·x̂|; the
+/// other terms as [`error_bound`].
+pub fn amx_error_bound(w: &[u16], x: &[f32]) -> f64 {
+    let chunks = w.len().div_ceil(CHUNK) as f64;
+    bound_with_adds(w, x, chunks + 18.0)
+}
+
+/// [`error_bound`] with `adds` f32 additions on a product's way to y.
+fn bound_with_adds(w: &[u16], x: &[f32], adds: f64) -> f64 {
+    let two = |e: i32| f64::powi(2.0, e);
     let mut round_err = 0.0f64;
     let mut mass_hat = 0.0f64;
     for (&h, &v) in w.iter().zip(x) {
@@ -254,9 +416,7 @@ pub fn error_bound(w: &[u16], x: &[f32]) -> f64 {
         }
         mass_hat += (wv * xh).abs();
     }
-    round_err
-        + (2.0 * chunks + 5.0) * two(-24) * 1.001 * mass_hat
-        + 3.0 * w.len() as f64 * two(-126)
+    round_err + adds * two(-24) * 1.001 * mass_hat + 3.0 * w.len() as f64 * two(-126)
 }
 
 /// A bound on |y_fp8dot − Σ w·scale·x| (exact) for one output, from the
@@ -306,6 +466,24 @@ pub fn edge_rows() -> (Vec<u16>, Vec<f32>) {
         w[64 + c] = formats::f32_to_bf16(wv);
         x[64 + c] = xv;
     }
+    (w, x)
+}
+
+/// Rows that tell the amx definition from others, 4 rows of 64 columns
+/// against 2 tokens (token 0 all ones, token 1 all zeros):
+/// - row 0: acc = −1.5·2⁻¹²⁶ after chunk 0, + 2⁻¹²⁶ in chunk 1: a subnormal
+///   result, flushed to −0 (its sign kept; +0 by bf16dot's flush);
+/// - row 1: columns 0, 1, 3 = 1, 2⁻²⁴, 2⁻²⁴: the odd chain's 2⁻²³ then
+///   meets 1, giving 1 + 2⁻²³ (in column order, or bf16dot's lanes, 1).
+pub fn amx_edge_rows() -> (Vec<u16>, Vec<f32>) {
+    let min = f32::MIN_POSITIVE;
+    let e = f32::powi(2.0, -24);
+    let mut w = vec![0u16; 4 * 64];
+    for (i, v) in [(0, -1.5 * min), (32, min), (64, 1.0), (65, e), (67, e)] {
+        w[i] = formats::f32_to_bf16(v);
+    }
+    let mut x = vec![0.0f32; 2 * 64];
+    x[..64].fill(1.0);
     (w, x)
 }
 

@@ -303,6 +303,7 @@ pub fn build() -> BuildResult<()> {
         "attn.c.tera",
         "q8.c.tera",
         "bf16dot.c.tera",
+        "amx.c.tera",
         "header.h.tera",
     ] {
         let path = root.join("templates").join(name);
@@ -546,6 +547,58 @@ pub fn build() -> BuildResult<()> {
         }
     }
     writeln!(table, "];").unwrap();
+    // amx (BF16 weights, activations rounded to BF16, on AMX tiles): with
+    // the avx512 variant, when the C compiler knows the AMX flags; its own
+    // file and flags (-mamx-tile -mamx-bf16), so no other kernel uses AMX.
+    writeln!(table, "\npub static AMX_KERNELS: &[AmxKernel] = &[").unwrap();
+    let mut amx_fns = Vec::new();
+    let mut amx_sources = Vec::new();
+    {
+        let generic = plan::amx_symbol(None);
+        let shapes: Vec<ShapeSymbol> = the_plan
+            .mat_shapes
+            .iter()
+            .filter(|s| s.format == Format::Bf16)
+            .map(|s| ShapeSymbol {
+                rows: s.rows,
+                cols: s.cols,
+                symbol: plan::amx_symbol(Some(s)),
+            })
+            .collect();
+        let mut ctx = tera::Context::new();
+        ctx.insert("generic", &generic);
+        ctx.insert("shapes", &shapes);
+        let path = gen.join("amx_avx512.c");
+        write_if_changed(&path, &render("amx.c.tera", &ctx)?)?;
+        if isas.contains(&Isa::Avx512) {
+            if amx_flags_supported() {
+                amx_sources.push(path);
+                table_rows(
+                    &mut table,
+                    &mut amx_fns,
+                    "AmxKernel { ",
+                    "amx",
+                    generic,
+                    &shapes,
+                );
+            } else {
+                println!(
+                    "cargo:warning=bespoke: the C compiler does not take -mamx-tile -mamx-bf16 (GCC 11+ or Clang 12+ do): the amx kernels (--bf16-act amx) are left out"
+                );
+            }
+        }
+    }
+    writeln!(table, "];").unwrap();
+    writeln!(
+        table,
+        "\npub static AMX_INIT: Option<unsafe extern \"C\" fn() -> std::os::raw::c_int> = {};",
+        if amx_fns.is_empty() {
+            "None"
+        } else {
+            "Some(ffi::bs_amx_init)"
+        }
+    )
+    .unwrap();
     writeln!(
         table,
         "\npub static COMPILED_ISAS: &[Isa] = &[{}];",
@@ -561,6 +614,7 @@ pub fn build() -> BuildResult<()> {
     hctx.insert("attn_fns", &attn_fns);
     hctx.insert("q8_fns", &q8_fns);
     hctx.insert("bf16dot_fns", &bf16dot_fns);
+    hctx.insert("amx_fns", &amx_fns);
     let header = gen.join("bespoke_kernels.h");
     write_if_changed(&header, &render("header.h.tera", &hctx)?)?;
 
@@ -569,7 +623,14 @@ pub fn build() -> BuildResult<()> {
         .as_ref()
         .map(|c| c.cflags.clone())
         .unwrap_or_default();
-    compile(&root, &gen, &sources, &bf16dot_sources, &cpu_flags)?;
+    compile(
+        &root,
+        &gen,
+        &sources,
+        &bf16dot_sources,
+        &amx_sources,
+        &cpu_flags,
+    )?;
     bind(&header, &out)?;
     write_if_changed(&out.join("dispatch_table.rs"), &table)?;
     write_if_changed(&out.join("cuda_images.rs"), &cuda_table)?;
@@ -578,15 +639,29 @@ pub fn build() -> BuildResult<()> {
     Ok(())
 }
 
+/// The C flags of the amx kernels (beside the avx512 variant's).
+const AMX_FLAGS: [&str; 2] = ["-mamx-tile", "-mamx-bf16"];
+
+/// Whether the C compiler takes [`AMX_FLAGS`].
+fn amx_flags_supported() -> bool {
+    let mut b = cc::Build::new();
+    b.cargo_metadata(false).cargo_warnings(false);
+    AMX_FLAGS
+        .iter()
+        .all(|f| b.is_flag_supported(f).unwrap_or(false))
+}
+
 /// Compile each ISA's sources with its own flags (and the bf16dot sources with
-/// the avx512 flags plus -mavx512bf16), then archive all objects into the one
-/// static library `bespoke_kernels`.
+/// the avx512 flags plus -mavx512bf16, the amx ones with -mamx-tile
+/// -mamx-bf16), then archive all objects into the one static library
+/// `bespoke_kernels`.
 /// `the_cpu_flags`: the BESPOKE_CPU preset's flags, for the NEON variant.
 fn compile(
     root: &Path,
     gen: &Path,
     sources: &[(Isa, PathBuf)],
     bf16dot_sources: &[PathBuf],
+    amx_sources: &[PathBuf],
     the_cpu_flags: &[String],
 ) -> BuildResult<()> {
     let sanitize = env_opt("BESPOKE_SANITIZE");
@@ -618,6 +693,13 @@ fn compile(
             Isa::Avx512,
             &["-mavx512bf16"][..],
             bf16dot_sources.iter().map(PathBuf::as_path).collect(),
+        ));
+    }
+    if !amx_sources.is_empty() {
+        groups.push((
+            Isa::Avx512,
+            &AMX_FLAGS[..],
+            amx_sources.iter().map(PathBuf::as_path).collect(),
         ));
     }
     for (isa, extra, files) in groups {

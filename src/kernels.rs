@@ -2,7 +2,7 @@
 //! (build.rs), and safe wrappers that check every length and shape before
 //! calling C, split rows across threads, and pick specialised or generic.
 
-use crate::bf16act::{Bf16Act, Bf16X};
+use crate::bf16act::{AmxX, Bf16Act, Bf16X};
 use crate::plan::{AttnShape, Format, Isa};
 use crate::q8::{Fp4Act, Q8Act};
 use std::ffi::c_void;
@@ -115,6 +115,17 @@ pub struct Bf16DotKernel {
     pub f: Bf16DotFn,
 }
 
+pub type AmxFn =
+    unsafe extern "C" fn(*const u16, *const u32, *mut f32, usize, usize, usize, usize, usize);
+
+/// A compiled amx matmul (BF16 weights, activations rounded to BF16, on AMX
+/// tiles: templates/amx.c.tera), specialised on `shape` = (rows, cols) or
+/// generic.
+pub struct AmxKernel {
+    pub shape: Option<(usize, usize)>,
+    pub f: AmxFn,
+}
+
 /// A compiled attention-decode kernel.
 pub struct AttnKernel {
     pub isa: Isa,
@@ -211,6 +222,10 @@ pub enum KernelError {
     NoBf16Dot(String),
     #[error("--fp8-act bf16 needs the fp8dot kernels: {0}; run without it (f32 activations, the default)")]
     NoFp8Dot(String),
+    #[error("--bf16-act amx needs the amx kernels: {0}; use --bf16-act bf16 (AVX-512 BF16) or run without it (f32 activations, the default)")]
+    NoAmx(String),
+    #[error("--fp8-act amx: the amx kernels take BF16 weights only; use --fp8-act bf16 for FP8 weights with BF16 activations")]
+    AmxFp8,
     #[error("BESPOKE_SPECIALISED={0:?}: expected `on` (the default: a matrix gets the kernel this build specialised for its shape, if any) or `off` (generic kernels only)")]
     BadSpecialised(String),
 }
@@ -576,8 +591,13 @@ impl Kernels {
 
     /// `format` (BF16 or FP8) matrices multiplied as `act` says.
     fn with_dot_act(mut self, format: Format, act: Bf16Act) -> Result<Kernels, KernelError> {
-        if act == Bf16Act::Bf16 {
-            Self::bf16dot_available().map_err(|why| KernelError::no_dot(format, why))?;
+        match act {
+            Bf16Act::Bf16 => {
+                Self::bf16dot_available().map_err(|why| KernelError::no_dot(format, why))?
+            }
+            Bf16Act::Amx if format == Format::Fp8 => return Err(KernelError::AmxFp8),
+            Bf16Act::Amx => Self::amx_available().map_err(KernelError::NoAmx)?,
+            Bf16Act::F32 => {}
         }
         match format {
             Format::Fp8 => self.fp8_act = act,
@@ -615,6 +635,178 @@ impl Kernels {
                 }
             })
             .clone()
+    }
+
+    /// Whether this binary has the amx kernels and this CPU and OS can run
+    /// them (the avx512 variant's features, AMX-BF16 and AMX-TILE, and the
+    /// tile state granted to this process by Linux); if not, why. The first
+    /// call asks Linux for the tile state (arch_prctl), once per process.
+    pub fn amx_available() -> Result<(), String> {
+        static AVAILABLE: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+        AVAILABLE
+            .get_or_init(|| {
+                let Some(init) = AMX_INIT else {
+                    return Err("this build has none (they are built with the avx512 feature, on x86-64, by a C compiler that takes -mamx-bf16)".into());
+                };
+                let missing = crate::cpu::missing_features(Isa::Avx512);
+                if !missing.is_empty() {
+                    return Err(format!("this CPU lacks {}", missing.join(", ")));
+                }
+                // SAFETY: bs_amx_init takes no arguments; it reads CPUID
+                // (and XCR0 only once CPUID says OSXSAVE) and makes one
+                // arch_prctl system call, touching no memory of ours.
+                match unsafe { init() } {
+                    0 => Ok(()),
+                    1 => Err("this CPU lacks AMX-BF16 (AMX tiles: Intel Sapphire Rapids and later)".into()),
+                    2 => Err("the OS has not enabled the AMX tile state (XCR0)".into()),
+                    _ => Err("Linux refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM; it needs Linux 5.16 or later)".into()),
+                }
+            })
+            .clone()
+    }
+
+    /// The amx kernel for a BF16 shape: specialised when the build made one
+    /// (and these kernels use specialised ones).
+    pub fn amx_kernel(&self, rows: usize, cols: usize) -> Option<&'static AmxKernel> {
+        self.specialised
+            .then(|| Self::amx_kernel_specialised(rows, cols))
+            .flatten()
+            .or_else(Self::amx_kernel_generic)
+    }
+
+    pub fn amx_kernel_specialised(rows: usize, cols: usize) -> Option<&'static AmxKernel> {
+        AMX_KERNELS.iter().find(|k| k.shape == Some((rows, cols)))
+    }
+
+    pub fn amx_kernel_generic() -> Option<&'static AmxKernel> {
+        AMX_KERNELS.iter().find(|k| k.shape.is_none())
+    }
+
+    /// Y = W X for BF16 W and activations packed for the amx kernels, with
+    /// a given amx kernel, rows split across threads in whole 32-row blocks.
+    pub fn matmul_amx_with(
+        &self,
+        k: &AmxKernel,
+        m: &Matrix,
+        x: &AmxX,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let call = self.amx_call(k, m, x, y)?;
+        let (rows, threads) = (m.rows, rayon::current_num_threads());
+        let work = rows.saturating_mul(m.cols).saturating_mul(x.n);
+        if threads <= 1 || work < PARALLEL_MIN_ELEMS || rows < 64 {
+            call(0, rows);
+        } else {
+            use rayon::prelude::*;
+            split(rows, threads * 2, 32)
+                .into_par_iter()
+                .for_each(|(r0, r1)| call(r0, r1));
+        }
+        Ok(())
+    }
+
+    /// Rows r0..r1 of Y = W X only (of every token), on the calling thread.
+    pub fn matmul_amx_rows_with(
+        &self,
+        k: &AmxKernel,
+        m: &Matrix,
+        x: &AmxX,
+        y: &mut [f32],
+        r0: usize,
+        r1: usize,
+    ) -> Result<(), KernelError> {
+        if r0 > r1 || r1 > m.rows {
+            return Err(KernelError::Shape(format!(
+                "rows {r0}..{r1} of a {}-row matrix",
+                m.rows
+            )));
+        }
+        let call = self.amx_call(k, m, x, y)?;
+        call(r0, r1);
+        Ok(())
+    }
+
+    /// Check an amx product's operands; then a call computing rows r0..r1
+    /// (0 <= r0 <= r1 <= rows; concurrent calls on disjoint rows).
+    fn amx_call(
+        &self,
+        k: &AmxKernel,
+        m: &Matrix,
+        x: &AmxX,
+        y: &mut [f32],
+    ) -> Result<impl Fn(usize, usize) + Sync + Send + Copy, KernelError> {
+        Self::amx_available().map_err(KernelError::NoAmx)?;
+        let Weights::Bf16(w) = m.weights else {
+            return Err(KernelError::Shape(format!(
+                "the amx kernels take BF16 weights, not {}",
+                m.format()
+            )));
+        };
+        if let Some((r, c)) = k.shape {
+            if (r, c) != (m.rows, m.cols) {
+                return Err(KernelError::Shape(format!(
+                    "amx kernel specialised for {r}×{c} used on a {}×{} matrix",
+                    m.rows, m.cols
+                )));
+            }
+        }
+        if x.cols != m.cols {
+            return Err(KernelError::Shape(format!(
+                "amx activations of {} columns against a {}×{} matrix",
+                x.cols, m.rows, m.cols
+            )));
+        }
+        let n = x.n;
+        let len = AmxX::len_for(n, m.cols)
+            .ok_or_else(|| KernelError::Shape("amx: packed activations overflow".into()))?;
+        check_len(&format!("amx input X [{n}, {}]", m.cols), len, x.b.len())?;
+        check_len(
+            &format!("matmul output Y [{n}, {}]", m.rows),
+            n * m.rows,
+            y.len(),
+        )?;
+        let (rows, cols) = (m.rows, m.cols);
+        let (wp, xp, yp) = (
+            SendPtr(w.as_ptr()),
+            SendPtr(x.b.as_ptr()),
+            SendPtr(y.as_mut_ptr()),
+        );
+        let f = k.f;
+        Ok(move |r0: usize, r1: usize| {
+            let (wp, xp, yp) = (wp, xp, yp);
+            if n == 0 || r0 >= r1 {
+                return;
+            }
+            // SAFETY: amx_available checked that this CPU has the avx512
+            // variant's features and AMX-BF16, and that Linux granted this
+            // process the tile state; Matrix::new checked that w holds
+            // rows×cols BF16 values; x holds the pair layout for n tokens of
+            // cols columns (length checked above) and y n×rows; the kernel's
+            // shape matches; the callers pass 0 <= r0 <= r1 <= rows, and
+            // concurrent calls write disjoint rows of every token's output.
+            unsafe { f(wp.0, xp.0, yp.0, rows, cols, n, r0, r1) }
+        })
+    }
+
+    /// Y = W X through the amx kernels (X rounded to BF16 and packed here).
+    fn matmul_amx(
+        &self,
+        m: &Matrix,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let k = self
+            .amx_kernel(m.rows, m.cols)
+            .ok_or_else(|| KernelError::NoAmx("this build has none".into()))?;
+        thread_local! {
+            static ACT: std::cell::RefCell<AmxX> = std::cell::RefCell::new(AmxX::default());
+        }
+        ACT.with(|a| {
+            let mut a = a.borrow_mut();
+            a.pack_from(x, n, m.cols)?;
+            self.matmul_amx_with(k, m, &a, y)
+        })
     }
 
     /// The bf16dot (BF16 `format`) or fp8dot (FP8) kernel for a shape:
@@ -1018,6 +1210,12 @@ impl Kernels {
         if self.dot_act(m.format()) {
             return self.matmul_bf16dot(m, x, n, y);
         }
+        if self.bf16_act == Bf16Act::Amx
+            && m.format() == Format::Bf16
+            && n >= crate::bf16act::AMX_MIN_TOKENS
+        {
+            return self.matmul_amx(m, x, n, y);
+        }
         self.matmul_with(self.mat_kernel(m.format(), m.rows, m.cols), m, x, n, y)
     }
 
@@ -1375,8 +1573,10 @@ impl fmt::Display for Kernels {
         if self.fp4_act == Fp4Act::Q8 {
             write!(f, " (FP4 with int8 activations: fp4×q8)")?;
         }
-        if self.bf16_act == Bf16Act::Bf16 {
-            write!(f, " (BF16 with BF16 activations: bf16dot)")?;
+        match self.bf16_act {
+            Bf16Act::Bf16 => write!(f, " (BF16 with BF16 activations: bf16dot)")?,
+            Bf16Act::Amx => write!(f, " (BF16 prefill with BF16 activations on AMX tiles: amx)")?,
+            Bf16Act::F32 => {}
         }
         if self.fp8_act == Bf16Act::Bf16 {
             write!(f, " (FP8 with BF16 activations: fp8dot)")?;

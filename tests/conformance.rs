@@ -5,10 +5,10 @@
 
 mod common;
 
-use bespoke::bf16act::{self, Bf16Act, Bf16X};
+use bespoke::bf16act::{self, AmxX, Bf16Act, Bf16X};
 use bespoke::kernels::{
-    AttnArgs, Kernels, MatKernel, Matrix, Weights, ATTN_KERNELS, BF16DOT_KERNELS, COMPILED_ISAS,
-    MAT_KERNELS, Q8_KERNELS,
+    AttnArgs, Kernels, MatKernel, Matrix, Weights, AMX_KERNELS, ATTN_KERNELS, BF16DOT_KERNELS,
+    COMPILED_ISAS, MAT_KERNELS, Q8_KERNELS,
 };
 use bespoke::plan::{Format, Isa, FORMATS};
 use bespoke::q8::{Fp4Act, Q8Act};
@@ -34,7 +34,7 @@ fn runnable() -> Vec<Kernels> {
         for name in req
             .split(',')
             .map(str::trim)
-            .filter(|s| !s.is_empty() && *s != "bf16dot")
+            .filter(|s| !s.is_empty() && *s != "bf16dot" && *s != "amx")
         {
             let isa = Isa::parse(name)
                 .unwrap_or_else(|| panic!("BESPOKE_REQUIRE_VARIANTS: unknown variant {name}"));
@@ -1435,6 +1435,236 @@ fn bf16dot_error_bound() {
     // The rounding of x (up to 2^-9 of each term) must show.
     assert!(worst > 1e-5, "bf16dot error suspiciously small: {worst:e}");
     eprintln!("bf16dot: worst |y_bf16dot - y_exact| / sum|w x| = {worst:.2e}");
+}
+
+/// Whether the amx kernels can run here; if not, says why, and fails when
+/// BESPOKE_REQUIRE_VARIANTS names amx.
+fn amx_runs() -> bool {
+    match Kernels::amx_available() {
+        Ok(()) => {
+            eprintln!("  amx: RUN");
+            true
+        }
+        Err(why) => {
+            let required = std::env::var("BESPOKE_REQUIRE_VARIANTS")
+                .is_ok_and(|v| v.split(',').any(|s| s.trim() == "amx"));
+            assert!(!required, "required variant amx did not run: {why}");
+            eprintln!("  amx: NOT run here: {why}");
+            false
+        }
+    }
+}
+
+/// The amx definition of Y = W X for a BF16 matrix (row-major `h`) and n
+/// tokens, from the rounded activations.
+fn amx_want(h: &[u16], rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32> {
+    let a = Bf16X::pack(x, n, cols).unwrap();
+    let xs = a.stride();
+    let mut want = vec![0f32; n * rows];
+    for j in 0..n {
+        for r in 0..rows {
+            want[j * rows + r] = bf16act::amx_row_dot(
+                &h[r * cols..(r + 1) * cols],
+                &a.bits()[j * xs..(j + 1) * xs],
+            );
+        }
+    }
+    want
+}
+
+/// The amx kernels on one BF16 matrix against n tokens, generic and
+/// specialised, and through the engine's path (`--bf16-act amx`: matmul of
+/// 2+ tokens on AMX, matvec by the f32 kernels), against the definition bit
+/// for bit (NaN = NaN). Returns the outputs.
+fn check_amx(o: &Owned, x: &[f32], n: usize) -> Vec<f32> {
+    let (rows, cols) = (o.rows, o.cols);
+    let m = o.matrix();
+    let want = amx_want(&o.h, rows, cols, x, n);
+    let a = AmxX::pack(x, n, cols).unwrap();
+    let k = Kernels::best();
+    let mut kernels = vec![("generic", Kernels::amx_kernel_generic().unwrap())];
+    if let Some(s) = Kernels::amx_kernel_specialised(rows, cols) {
+        kernels.push(("specialised", s));
+    }
+    for (kind, kern) in kernels {
+        let mut y = vec![f32::NAN; n * rows];
+        k.matmul_amx_with(kern, &m, &a, &mut y).unwrap();
+        if let Some((i, p, q)) = first_diff(&y, &want) {
+            panic!(
+                "amx {kind} {rows}x{cols} n={n}: token {} row {}: kernel {p:e} ({:#x}), reference {q:e} ({:#x})",
+                i / rows,
+                i % rows,
+                p.to_bits(),
+                q.to_bits()
+            );
+        }
+    }
+    let ka = k.with_bf16_act(Bf16Act::Amx).unwrap();
+    let mut y = vec![f32::NAN; n * rows];
+    ka.matmul(&m, x, n, &mut y).unwrap();
+    if n >= bf16act::AMX_MIN_TOKENS {
+        assert!(first_diff(&y, &want).is_none(), "amx via matmul");
+    } else {
+        let exact = reference::matmul(&m, x, n);
+        assert!(first_diff(&y, &exact).is_none(), "amx: one token is f32");
+    }
+    let mut y1 = vec![f32::NAN; rows];
+    ka.matvec(&m, &x[..cols], &mut y1).unwrap();
+    let exact = reference::matvec(&m, &x[..cols]);
+    assert!(first_diff(&y1, &exact).is_none(), "amx: matvec is f32");
+    want
+}
+
+#[test]
+fn amx_matches_its_reference() {
+    let _tally = FiniteTally::start();
+    if !amx_runs() {
+        return;
+    }
+    let mut rng = Rng(16);
+    let mut shapes = awkward_shapes(Format::Bf16);
+    // whole chunks, chunk tails of 1 and 31 columns, odd columns; row tiles
+    // of 16 and 32 with rows left over (a partial tile after whole ones)
+    shapes.extend([
+        (16, 32),
+        (17, 33),
+        (32, 63),
+        (33, 64),
+        (47, 95),
+        (64, 1024),
+        (81, 2111),
+        (2, 4096 + 31),
+    ]);
+    let (small, big): (Vec<_>, Vec<_>) = specialised_shapes(Format::Bf16)
+        .into_iter()
+        .partition(|&(r, c)| r * c <= 1 << 20);
+    shapes.extend(small);
+    for &(rows, cols) in &shapes {
+        let o = Owned::random(&mut rng, Format::Bf16, rows, cols);
+        // token groups of 16 in pairs, an odd group, partial groups
+        for n in [1, 2, 15, 16, 17, 33, 48] {
+            let mut x = rng.activations(n * cols);
+            if cols >= 96 && n == 17 {
+                x[cols + 40] = f32::INFINITY;
+                x[2 * cols - 1] = f32::NAN;
+            }
+            let y = check_amx(&o, &x, n);
+            note_finite(
+                &format!("amx {rows}x{cols} n={n} token 0"),
+                &y[..rows],
+                cols,
+            );
+            if cols >= 96 && n == 17 {
+                assert!(y[rows..2 * rows].iter().all(|v| v.is_nan()));
+            }
+        }
+    }
+    // The big specialised shapes: one random row tiled over the matrix, row
+    // ranges at the start, an unaligned middle and the end.
+    let k = Kernels::best();
+    let n = 20;
+    for &(rows, cols) in &big {
+        let one = Owned::random(&mut rng, Format::Bf16, 1, cols);
+        let h = one.h.repeat(rows);
+        let m = Matrix::new(rows, cols, Weights::Bf16(&h)).unwrap();
+        let x = rng.activations(n * cols);
+        let a = AmxX::pack(&x, n, cols).unwrap();
+        let wants = amx_want(&one.h, 1, cols, &x, n);
+        note_finite(&format!("amx {rows}x{cols} tiled row"), &wants, cols);
+        let kernels = [
+            Kernels::amx_kernel_specialised(rows, cols).unwrap(),
+            Kernels::amx_kernel_generic().unwrap(),
+        ];
+        let mid = rows / 2 + 7;
+        for (r0, r1) in [(0, 9), (mid, (mid + 41).min(rows)), (rows - 5, rows)] {
+            for kern in kernels {
+                let mut y = vec![0f32; n * rows];
+                k.matmul_amx_rows_with(kern, &m, &a, &mut y, r0, r1)
+                    .unwrap();
+                for (j, want) in wants.iter().enumerate() {
+                    for r in r0..r1 {
+                        assert!(
+                            common::same(y[j * rows + r], *want),
+                            "amx {rows}x{cols} token {j} row {r}: {} vs reference {want}",
+                            y[j * rows + r]
+                        );
+                    }
+                }
+            }
+        }
+    }
+    let names: Vec<String> = AMX_KERNELS
+        .iter()
+        .map(|k| {
+            k.shape
+                .map(|(r, c)| format!("{r}x{c}"))
+                .unwrap_or_else(|| "generic".into())
+        })
+        .collect();
+    eprintln!("amx kernels checked: {}", names.join(", "));
+    // Signed zeros and flushing, which random data rarely shows, on the
+    // CPU's own instruction: the amx definition keeps a flushed result's
+    // sign, and each 32-column chunk's two chains meet before acc.
+    let (w, x) = bf16act::amx_edge_rows();
+    let o = Owned {
+        rows: 4,
+        cols: 64,
+        format: Format::Bf16,
+        f: vec![],
+        h: w,
+        b: vec![],
+        s: vec![],
+    };
+    let y = check_amx(&o, &x, 2);
+    assert_eq!(y[0].to_bits(), 0x8000_0000, "row 0 flushes to -0");
+    assert_eq!(y[1], 1.0 + f32::powi(2.0, -23), "row 1: the two chains");
+}
+
+/// The amx variant stays within its stated error bound of the exact
+/// products (moderate values, like a hidden state), and the rounding shows.
+#[test]
+fn amx_error_bound() {
+    if !amx_runs() {
+        return;
+    }
+    let mut rng = Rng(17);
+    let k = Kernels::best().with_bf16_act(Bf16Act::Amx).unwrap();
+    let mut worst = 0.0f64;
+    for &(rows, cols, n) in &[(64, 2048, 3), (37, 96, 17), (16, 4096, 2)] {
+        let w: Vec<u16> = (0..rows * cols)
+            .map(|_| bespoke::formats::f32_to_bf16(rng.unit() * 0.1))
+            .collect();
+        let m = Matrix::new(rows, cols, Weights::Bf16(&w)).unwrap();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.unit() * 3.0).collect();
+        let mut y = vec![0f32; n * rows];
+        k.matmul(&m, &x, n, &mut y).unwrap();
+        for j in 0..n {
+            let xt = &x[j * cols..(j + 1) * cols];
+            for r in 0..rows {
+                let wr = &w[r * cols..(r + 1) * cols];
+                let exact: f64 = wr
+                    .iter()
+                    .zip(xt)
+                    .map(|(&h, &v)| bespoke::formats::bf16_to_f32(h) as f64 * v as f64)
+                    .sum();
+                let bound = bf16act::amx_error_bound(wr, xt);
+                let err = (y[j * rows + r] as f64 - exact).abs();
+                assert!(
+                    err <= bound,
+                    "{rows}x{cols} token {j} row {r}: |{} - {exact}| = {err:e} > bound {bound:e}",
+                    y[j * rows + r]
+                );
+                let mag: f64 = wr
+                    .iter()
+                    .zip(xt)
+                    .map(|(&h, &v)| (bespoke::formats::bf16_to_f32(h) as f64 * v as f64).abs())
+                    .sum();
+                worst = worst.max(err / mag);
+            }
+        }
+    }
+    assert!(worst > 1e-5, "amx error suspiciously small: {worst:e}");
+    eprintln!("amx: worst |y_amx - y_exact| / sum|w x| = {worst:.2e}");
 }
 
 #[test]

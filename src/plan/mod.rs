@@ -989,6 +989,12 @@ pub fn dot_symbol(format: Format, shape: Option<&MatShape>) -> String {
     format!("bs_{}_avx512_{tail}", dot_family(format))
 }
 
+/// C symbol of an amx kernel (BF16 weights on AMX tiles).
+pub fn amx_symbol(shape: Option<&MatShape>) -> String {
+    let tail = shape.map(|s| s.key()).unwrap_or_else(|| "generic".into());
+    format!("bs_amx_bf16_{tail}")
+}
+
 /// C symbol of an attention kernel.
 pub fn attn_symbol(isa: Isa, shape: Option<&AttnShape>) -> String {
     let tail = shape.map(|s| s.key()).unwrap_or_else(|| "generic".into());
