@@ -30,6 +30,10 @@ pub struct Options {
     /// BF16; format "fp8dot", under the avx512 variant) on every FP8 case,
     /// likewise.
     pub fp8dot: bool,
+    /// Also time the amx variant (BF16 weights, activations rounded to BF16,
+    /// on AMX tiles; format "amx", under the avx512 variant) on every BF16
+    /// case, rounding and packing included, where this CPU has AMX-BF16.
+    pub amx: bool,
     /// Only these ISA variants (all compiled ones this CPU runs if empty).
     pub isas: Vec<crate::plan::Isa>,
     /// The weights start this many bytes past a 64-byte boundary (0..64, a
@@ -99,6 +103,7 @@ enum Kern {
     Mat(&'static MatKernel),
     Q8(&'static Q8Kernel),
     Bf16Dot(&'static crate::kernels::Bf16DotKernel),
+    Amx(&'static crate::kernels::AmxKernel),
 }
 
 /// How a case's activations meet the weights.
@@ -110,6 +115,8 @@ enum Act {
     /// bf16dot (BF16 cases) or fp8dot (FP8 cases): activations rounded to
     /// BF16.
     Dot,
+    /// amx (BF16 cases): activations rounded to BF16, AMX tiles.
+    Amx,
 }
 
 #[derive(Serialize)]
@@ -1047,7 +1054,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
         let dot = match act {
             Act::F32 => false,
             Act::Dot => true,
-            Act::Q8 => return None,
+            Act::Q8 | Act::Amx => return None,
         };
         roofs
             .iter()
@@ -1080,6 +1087,16 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             Err(why) => eprintln!("{} not timed: {why}", crate::plan::dot_family(f)),
         }
     }
+    if opts.amx {
+        match Kernels::amx_available() {
+            Ok(()) => all.extend(
+                shape_cases(&opts.shapes, &[Format::Bf16])?
+                    .into_iter()
+                    .map(|(f, r, c, o)| (f, r, c, o, Act::Amx)),
+            ),
+            Err(why) => eprintln!("amx not timed: {why}"),
+        }
+    }
     let attn = if opts.attention {
         attn_cases(&opts.shapes)?
     } else {
@@ -1101,6 +1118,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             Act::F32 => format.to_string(),
             Act::Q8 => "fp4q8".to_string(),
             Act::Dot => crate::plan::dot_family(format).to_string(),
+            Act::Amx => "amx".to_string(),
         };
         let one = make_weights(format, rows, cols, ci as u64 + 1, opts.weight_offset);
         let bytes = matrix(format, rows, cols, &one).bytes();
@@ -1126,6 +1144,18 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                     Kernels::bf16dot_kernel_specialised(format, rows, cols)
                         .map(|s| ("specialised", Kern::Bf16Dot(s))),
                     Kernels::bf16dot_kernel_generic(format).map(|g| ("generic", Kern::Bf16Dot(g))),
+                ]
+                .into_iter()
+                .flatten()
+                .collect()
+            } else if act == Act::Amx {
+                if k.isa() != crate::plan::Isa::Avx512 {
+                    continue;
+                }
+                [
+                    Kernels::amx_kernel_specialised(rows, cols)
+                        .map(|s| ("specialised", Kern::Amx(s))),
+                    Kernels::amx_kernel_generic().map(|g| ("generic", Kern::Amx(g))),
                 ]
                 .into_iter()
                 .flatten()
@@ -1186,6 +1216,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                             let mut y = vec![0f32; n_tok * rows];
                             let mut a = Q8Act::default();
                             let mut bx = crate::bf16act::Bf16X::default();
+                            let mut ax = crate::bf16act::AmxX::default();
                             let mut i = 0;
                             Box::new(move || {
                                 let m = &mats[i % mats.len()];
@@ -1203,6 +1234,9 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                                     Kern::Bf16Dot(kern) => bx
                                         .pack_from(x, n_tok, cols)
                                         .and_then(|()| k.matmul_bf16dot_with(kern, m, &bx, &mut y)),
+                                    Kern::Amx(kern) => ax
+                                        .pack_from(x, n_tok, cols)
+                                        .and_then(|()| k.matmul_amx_with(kern, m, &ax, &mut y)),
                                 }
                                 .expect("benchmark matvec");
                                 black_box(&y);
@@ -1321,7 +1355,7 @@ fn print_summary(r: &[KernelResult]) {
         // with f32 activations.
         let base = match s.format.as_str() {
             "fp4q8" => Some("fp4"),
-            "bf16dot" => Some("bf16"),
+            "bf16dot" | "amx" => Some("bf16"),
             "fp8dot" => Some("fp8"),
             _ => None,
         };

@@ -217,15 +217,16 @@ impl AmxX {
                 let j0 = g * AMX_GROUP;
                 for t in 0..AMX_GROUP.min(n - j0) {
                     let row = &x[(j0 + t) * cols..(j0 + t + 1) * cols];
-                    let (pairs, rest) = row.as_chunks::<2>();
-                    for (p, pr) in pairs.iter().enumerate() {
+                    let pairs = row.chunks_exact(2);
+                    let last = pairs.remainder().first().copied();
+                    let np = pairs.len();
+                    for (p, pr) in pairs.enumerate() {
                         let v = u32::from(round(pr[0])) | u32::from(round(pr[1])) << 16;
                         out[(p / 16) * AMX_BLOCK + (p % 16) * AMX_GROUP + t] = v;
                     }
-                    if let [last] = rest {
-                        let p = pairs.len();
-                        out[(p / 16) * AMX_BLOCK + (p % 16) * AMX_GROUP + t] =
-                            u32::from(round(*last));
+                    if let Some(v) = last {
+                        out[(np / 16) * AMX_BLOCK + (np % 16) * AMX_GROUP + t] =
+                            u32::from(round(v));
                     }
                 }
             };
@@ -490,6 +491,46 @@ pub fn amx_edge_rows() -> (Vec<u16>, Vec<f32>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The amx layout: token j's columns 2p, 2p + 1 in one u32 at group
+    /// j / 16, chunk p / 16, pair p % 16, slot j % 16; zero past cols and n;
+    /// and the same packing on 1 and 2 threads.
+    #[test]
+    fn amx_packing_layout() {
+        let (n, cols) = (37, 2051);
+        let x: Vec<f32> = (0..n * cols)
+            .map(|i| ((i * 7919) % 4001) as f32 / 97.0 - 20.0)
+            .collect();
+        let mut one = AmxX::default();
+        crate::threads::pool(1)
+            .install(|| one.pack_from(&x, n, cols))
+            .unwrap();
+        let mut two = AmxX::default();
+        crate::threads::pool(2)
+            .install(|| two.pack_from(&x, n, cols))
+            .unwrap();
+        assert_eq!(one, two);
+        let nk = cols.div_ceil(CHUNK);
+        assert_eq!(one.pairs().len(), 3 * nk * 256);
+        for j in 0..48 {
+            for c in (0..nk * CHUNK).step_by(2) {
+                let p = c / 2;
+                let v = one.pairs()[((j / 16 * nk + p / 16) * 16 + p % 16) * 16 + j % 16];
+                let at = |c: usize| {
+                    if j < n && c < cols {
+                        round(x[j * cols + c])
+                    } else {
+                        0
+                    }
+                };
+                assert_eq!(
+                    v,
+                    u32::from(at(c)) | u32::from(at(c + 1)) << 16,
+                    "token {j} column {c}"
+                );
+            }
+        }
+    }
 
     /// A prefill step's worth of tokens is packed across the threads; the
     /// result is the one-thread packing.

@@ -568,6 +568,9 @@ pub fn build() -> BuildResult<()> {
         let mut ctx = tera::Context::new();
         ctx.insert("generic", &generic);
         ctx.insert("shapes", &shapes);
+        ctx.insert("kp", &AMX_PANEL_CHUNKS);
+        ctx.insert("pf_hint", &AMX_PREFETCH_HINT);
+        ctx.insert("slab_kib", &AMX_SLAB_KIB);
         let path = gen.join("amx_avx512.c");
         write_if_changed(&path, &render("amx.c.tera", &ctx)?)?;
         if isas.contains(&Isa::Avx512) {
@@ -638,6 +641,15 @@ pub fn build() -> BuildResult<()> {
     write_if_changed(&out.join("plan.json"), &plan_json)?;
     Ok(())
 }
+
+/// Chunks of 32 columns per panel of the amx kernels (templates/amx.c.tera).
+const AMX_PANEL_CHUNKS: usize = 8;
+
+/// The most activations (KiB) an amx kernel keeps in use across a panel.
+const AMX_SLAB_KIB: usize = 1024;
+
+/// Where the amx kernels' prefetches of the next panel's weights go.
+const AMX_PREFETCH_HINT: &str = "T0";
 
 /// The C flags of the amx kernels (beside the avx512 variant's).
 const AMX_FLAGS: [&str; 2] = ["-mamx-tile", "-mamx-bf16"];

@@ -121,6 +121,22 @@ pub fn variants_report(
         )
         .unwrap();
     }
+    if !kernels::AMX_KERNELS.is_empty() {
+        let status = match kernels::Kernels::amx_available() {
+            Ok(()) => "runnable".to_string(),
+            Err(why) => format!("not runnable: {why}"),
+        };
+        let shapes = kernels::AMX_KERNELS
+            .iter()
+            .filter(|k| k.shape.is_some())
+            .count();
+        writeln!(
+            out,
+            "amx (--bf16-act amx: BF16 weights, BF16 activations, AMX tiles, for products of {}+ tokens; needs the avx512 features + AMX-BF16 and Linux 5.16+): generic + {shapes} specialised, {status}",
+            crate::bf16act::AMX_MIN_TOKENS
+        )
+        .unwrap();
+    }
     writeln!(
         out,
         "threads: {threads} (--threads N or BESPOKE_THREADS; default: physical cores = {})",

@@ -173,9 +173,13 @@ enum BenchWhat {
         /// activations rounded to int8 per 32 columns, quantization included —
         /// bf16dot — BF16 weights times activations rounded to BF16, on
         /// AVX512_BF16 CPUs, rounding included — fp8dot, the same for
-        /// FP8 weights — and attn, the attention-decode kernel at the shape
-        /// set's attention shapes, one query against --context positions).
-        /// Default: bf16,fp8,fp4,fp4q8,bf16dot,fp8dot,attn.
+        /// FP8 weights — amx, BF16 weights times activations rounded to
+        /// BF16 on AMX tiles (Intel CPUs with AMX-BF16; meant for --tokens
+        /// 16 and more), rounding and packing included — and attn, the
+        /// attention-decode kernel at the shape set's attention shapes, one
+        /// query against --context positions).
+        /// Default: bf16,fp8,fp4,fp4q8,bf16dot,fp8dot,attn, and amx with
+        /// --tokens 2 or more.
         #[arg(long, value_name = "LIST")]
         formats: Option<String>,
         /// Positions in the KV cache of the attn cases (keys and values f32,
@@ -380,18 +384,27 @@ fn run(cli: Cli) -> Result<(), String> {
                 },
         } => {
             let n = threads::init(threads::resolve(t)?);
-            let list = formats.unwrap_or_else(|| "bf16,fp8,fp4,fp4q8,bf16dot,fp8dot,attn".into());
+            let list = formats.unwrap_or_else(|| {
+                let all = "bf16,fp8,fp4,fp4q8,bf16dot,fp8dot,attn";
+                if tokens > 1 {
+                    format!("{all},amx")
+                } else {
+                    all.into()
+                }
+            });
             let mut formats = Vec::new();
             let (mut fp4_q8, mut bf16dot, mut fp8dot, mut attention) = (false, false, false, false);
+            let mut amx = false;
             for s in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
                 match s {
                     "fp4q8" => fp4_q8 = true,
                     "bf16dot" => bf16dot = true,
                     "fp8dot" => fp8dot = true,
+                    "amx" => amx = true,
                     "attn" => attention = true,
                     _ => formats.push(plan::Format::parse(s).ok_or_else(|| {
                         format!(
-                            "--formats: unknown format {s:?} (f32, bf16, fp8, fp4, fp4q8, bf16dot, fp8dot, attn)"
+                            "--formats: unknown format {s:?} (f32, bf16, fp8, fp4, fp4q8, bf16dot, fp8dot, amx, attn)"
                         )
                     })?),
                 }
@@ -419,6 +432,7 @@ fn run(cli: Cli) -> Result<(), String> {
                 fp4_q8,
                 bf16dot,
                 fp8dot,
+                amx,
                 shapes,
                 isas,
                 weight_offset,
