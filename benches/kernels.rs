@@ -19,6 +19,8 @@ fn main() {
         fp4_q8: true,
         bf16dot: true,
         fp8dot: true,
+        // amx is a prefill kernel; this benchmark times one token.
+        amx: false,
         shapes: bespoke::bench::ShapeSet::Default,
         isas: vec![],
         weight_offset: 0,
