@@ -569,8 +569,7 @@ pub fn build() -> BuildResult<()> {
         ctx.insert("generic", &generic);
         ctx.insert("shapes", &shapes);
         ctx.insert("kp", &AMX_PANEL_CHUNKS);
-        ctx.insert("pf_hint", &AMX_PREFETCH_HINT);
-        ctx.insert("slab_kib", &AMX_SLAB_KIB);
+        ctx.insert("rb", &AMX_ROW_BLOCKS);
         let path = gen.join("amx_avx512.c");
         write_if_changed(&path, &render("amx.c.tera", &ctx)?)?;
         if isas.contains(&Isa::Avx512) {
@@ -645,11 +644,8 @@ pub fn build() -> BuildResult<()> {
 /// Chunks of 32 columns per panel of the amx kernels (templates/amx.c.tera).
 const AMX_PANEL_CHUNKS: usize = 8;
 
-/// The most activations (KiB) an amx kernel keeps in use across a panel.
-const AMX_SLAB_KIB: usize = 1024;
-
-/// Where the amx kernels' prefetches of the next panel's weights go.
-const AMX_PREFETCH_HINT: &str = "T0";
+/// Blocks of 32 rows an amx kernel takes per pass over its activations.
+const AMX_ROW_BLOCKS: usize = 4;
 
 /// The C flags of the amx kernels (beside the avx512 variant's).
 const AMX_FLAGS: [&str; 2] = ["-mamx-tile", "-mamx-bf16"];

@@ -1559,6 +1559,13 @@ fn amx_matches_its_reference() {
             }
         }
     }
+    // Several 32-row blocks per pass over the activations (a slab's
+    // activations past 1 MiB: 16 token groups of 65 chunks), two slabs of
+    // token groups (the second partial), rows left after the last block.
+    let o = Owned::random(&mut rng, Format::Bf16, 200, 2080);
+    let x = rng.activations(300 * 2080);
+    let y = check_amx(&o, &x, 300);
+    note_finite("amx 200x2080 n=300 token 0", &y[..200], 2080);
     // The big specialised shapes: one random row tiled over the matrix, row
     // ranges at the start, an unaligned middle and the end.
     let k = Kernels::best();
