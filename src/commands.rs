@@ -124,6 +124,12 @@ fn banner(m: &ModelDir, k: &Kernels, reason: &str, ctx: usize) {
             "bf16dot: BF16 products use BF16 activations (--bf16-act bf16): faster prefill, not token-exact"
         );
     }
+    if k.bf16_act() == crate::bf16act::Bf16Act::Amx && has_format(m, "BF16") {
+        eprintln!(
+            "amx: BF16 products of {}+ tokens (prefill) on AMX tiles with BF16 activations (--bf16-act amx): faster prefill, not token-exact; one token (decode) stays f32",
+            crate::bf16act::AMX_MIN_TOKENS
+        );
+    }
     if k.fp8_act() == crate::bf16act::Bf16Act::Bf16 && has_format(m, "FP8") {
         eprintln!("fp8dot: FP8 products use BF16 activations (--fp8-act bf16): not token-exact");
     }
@@ -159,7 +165,12 @@ pub struct NumericsArgs {
     /// the f32 FMA's multiply-adds: faster prefill, as llama.cpp computes
     /// BF16 models); not token-exact (the definition and error bound are in
     /// src/bf16act.rs and tested). Needs a CPU with AVX512_BF16 (Zen 4 and
-    /// later, Cooper Lake, Sapphire Rapids and later).
+    /// later, Cooper Lake, Sapphire Rapids and later). `amx`: products of 2
+    /// or more tokens (prefill) on Intel AMX tiles (TDPBF16PS), activations
+    /// rounded to BF16, 4-5x the default's prefill on a Xeon with AMX;
+    /// single tokens (decode) through the f32 kernels; not token-exact
+    /// (definition and error bound in src/bf16act.rs, tested). Needs a CPU
+    /// with AMX-BF16 (Sapphire Rapids and later) and Linux 5.16 or later.
     #[arg(long, value_name = "ACT", value_enum, default_value_t = crate::bf16act::Bf16Act::F32)]
     pub bf16_act: crate::bf16act::Bf16Act,
     /// How FP8 weights (DeepSeek V4's dense matrices) meet their
@@ -168,7 +179,7 @@ pub struct NumericsArgs {
     /// exactly a BF16 value, the activations are rounded to BF16, VDPBF16PS
     /// pair products per 128-column scale block; not token-exact (definition
     /// and error bound in src/bf16act.rs, tested). Needs AVX512_BF16, as
-    /// `--bf16-act bf16` does.
+    /// `--bf16-act bf16` does. (`amx` takes BF16 weights only: refused here.)
     #[arg(long, value_name = "ACT", value_enum, default_value_t = crate::bf16act::Bf16Act::F32)]
     pub fp8_act: crate::bf16act::Bf16Act,
     /// `cuda` builds with a GPU: the VRAM budget in GiB for the weights put
@@ -219,8 +230,11 @@ pub fn engine<'m>(m: &'m ModelDir, k: Kernels, num: NumericsArgs) -> Result<AnyM
     if num.fp8_act == crate::bf16act::Bf16Act::Bf16 && !has_format(m, "FP8") {
         eprintln!("note: --fp8-act bf16 changes nothing here: this model has no FP8 weights");
     }
-    if num.bf16_act == crate::bf16act::Bf16Act::Bf16 && !has_format(m, "BF16") {
-        eprintln!("note: --bf16-act bf16 changes nothing here: this model has no BF16 weights");
+    if num.bf16_act != crate::bf16act::Bf16Act::F32 && !has_format(m, "BF16") {
+        eprintln!(
+            "note: --bf16-act {} changes nothing here: this model has no BF16 weights",
+            num.bf16_act.name()
+        );
     }
     let mut eng = AnyModel::load(m, k).map_err(|e| e.to_string())?;
     let experts: Vec<usize> = eng.usage().snapshot().iter().map(Vec::len).collect();

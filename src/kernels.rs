@@ -799,13 +799,19 @@ impl Kernels {
         let k = self
             .amx_kernel(m.rows, m.cols)
             .ok_or_else(|| KernelError::NoAmx("this build has none".into()))?;
+        // One buffer per thread, reused across calls; a nested call on the
+        // same thread (a rayon worker taking another task while it waits)
+        // finds it in use and packs into its own.
         thread_local! {
             static ACT: std::cell::RefCell<AmxX> = std::cell::RefCell::new(AmxX::default());
         }
-        ACT.with(|a| {
-            let mut a = a.borrow_mut();
+        let run = |a: &mut AmxX| {
             a.pack_from(x, n, m.cols)?;
-            self.matmul_amx_with(k, m, &a, y)
+            self.matmul_amx_with(k, m, a, y)
+        };
+        ACT.with(|a| match a.try_borrow_mut() {
+            Ok(mut a) => run(&mut a),
+            Err(_) => run(&mut AmxX::default()),
         })
     }
 

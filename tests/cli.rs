@@ -870,6 +870,64 @@ fn bf16_act_flag() {
     assert!(!ok && err.contains("bf16"), "{err}");
 }
 
+/// `--bf16-act amx` (BF16 prefill on AMX tiles) runs where the CPU has
+/// AMX-BF16, says so, moves the logits a little without changing most
+/// greedy choices, and leaves one-token decode as it was; where it cannot
+/// run, a clear error. `--fp8-act amx` is refused everywhere.
+#[test]
+fn bf16_act_amx_flag() {
+    let (_, ids) = ref_prompt("tiny-llama", 0);
+    let score = |extra: &[&str]| score_last("tiny-llama", &ids, extra);
+    let (ok, out32, err) = score(&[]);
+    assert!(ok, "{err}");
+    let (ok, outx, err) = score(&["--bf16-act", "amx"]);
+    match bespoke::kernels::Kernels::amx_available() {
+        Err(why) => {
+            assert!(
+                !ok && err.contains("--bf16-act amx needs the amx kernels") && err.contains(&why),
+                "{err}"
+            );
+            eprintln!("amx not available here ({why}): checked the error");
+        }
+        Ok(()) => {
+            assert!(ok, "{err}");
+            let (v32, l32) = last_logits(&out32);
+            let (vx, lx) = last_logits(&outx);
+            assert_eq!(vx["bf16_act"], "amx");
+            assert!(lx.iter().all(|x| x.is_finite()));
+            let dist = max_dist(&l32, &lx);
+            let scale = l32.iter().map(|x| x.abs()).fold(0.0, f64::max);
+            assert!(dist > 0.0, "AMX prefill changed nothing");
+            assert!(
+                dist < 0.05 * scale,
+                "AMX prefill moved the logits by {dist} (largest |logit| {scale})"
+            );
+            let am = |v: &serde_json::Value| v["argmax"].as_array().unwrap().clone();
+            let (a32, ax) = (am(&v32), am(&vx));
+            let same = a32.iter().zip(&ax).filter(|(x, y)| x == y).count();
+            assert!(
+                same * 10 >= a32.len() * 9,
+                "greedy choices: {same} of {} the same",
+                a32.len()
+            );
+            let (ok, _, err) = run(&words(
+                "run --model fixtures/tiny-llama --bf16-act amx --max-new-tokens 2",
+            ));
+            assert!(
+                ok && err.contains("amx") && err.contains("not token-exact"),
+                "{err}"
+            );
+        }
+    }
+    let (ok, _, err) = run(&words(
+        "run --model fixtures/tiny-dsv4 --fp8-act amx --max-new-tokens 1",
+    ));
+    assert!(
+        !ok && err.contains("--fp8-act amx") && err.contains("BF16 weights only"),
+        "{err}"
+    );
+}
+
 /// `--numerics deepseek` follows DeepSeek's inference code on DeepSeek V4
 /// (FP8 activations into FP8/FP4 products): it runs, changes the logits, and
 /// is refused for other families.

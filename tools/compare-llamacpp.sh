@@ -176,6 +176,11 @@ LOAD=$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo unknown)   # other work o
 BF16DOT=$("$BESPOKE_BIN" plan 2>/dev/null | grep '^bf16dot ' || true)   # "…, runnable" or "…, not runnable: why"
 BD_NOTE=" (and again with --bf16-act bf16)"
 [[ $BF16DOT == *", runnable" ]] || { BD_NOTE=""; say "no bf16dot rows: ${BF16DOT:-this bespoke has no bf16dot kernels}"; }
+# And on AMX tiles (--bf16-act amx: prefill of BF16 weights by TDPBF16PS, decode by the f32 kernels)
+# where the CPU has AMX-BF16 (Intel Sapphire Rapids and later).
+AMX=$("$BESPOKE_BIN" plan 2>/dev/null | grep '^amx ' || true)
+[[ $AMX == *", runnable" ]] && BD_NOTE="$BD_NOTE (and with --bf16-act amx)" ||
+  say "no amx rows: ${AMX:-this bespoke has no amx kernels}"
 # The two sides take turns, round after round: with one run of each, minutes apart, a shared
 # machine's drift (its read bandwidth moved by 2x within an hour on the VMs measured) lands on one
 # side alone.
@@ -215,6 +220,10 @@ for ((i = 1; i <= ROUNDS; i++)); do
   if [[ $BF16DOT == *", runnable" ]]; then
     logged bespoke-e2e-bf16dot-$i "$BESPOKE_BIN" bench e2e --model "$MODEL" --prompt-len "$PROMPT" \
       --gen "$GEN" --threads "$THREADS" --bf16-act bf16 --json "$RUN/bespoke-e2e-bf16dot-$i.json"
+  fi
+  if [[ $AMX == *", runnable" ]]; then
+    logged bespoke-e2e-amx-$i "$BESPOKE_BIN" bench e2e --model "$MODEL" --prompt-len "$PROMPT" \
+      --gen "$GEN" --threads "$THREADS" --bf16-act amx --json "$RUN/bespoke-e2e-amx-$i.json"
   fi
 done
 
@@ -256,10 +265,12 @@ def load_json(name):
     return json.load(open(f"{run}/{name}")) if os.path.exists(f"{run}/{name}") else None
 e2e = [load_json(f"bespoke-e2e-{i}.json") for i in range(1, rounds + 1)]
 e2e_bd = [load_json(f"bespoke-e2e-bf16dot-{i}.json") for i in range(1, rounds + 1)]
+e2e_amx = [load_json(f"bespoke-e2e-amx-{i}.json") for i in range(1, rounds + 1)]
 lb = [load_json(f"llama-bench-{i}.json") for i in range(1, rounds + 1)]
 bk = json.load(open(f"{run}/bespoke-kernels.json"))["kernels"]
 rows = []          # (label, bespoke, llama.cpp, range of the per-round ratios or None)
-for tag, sides in (("", e2e), (", bf16dot", e2e_bd if e2e_bd[0] else [])):
+for tag, sides in (("", e2e), (", bf16dot", e2e_bd if e2e_bd[0] else []),
+                   (", amx", e2e_amx if e2e_amx[0] else [])):
     for t in sorted({r["threads"] for r in sides[0]["runs"]} if sides else []):
         for what, p in (("prefill", True), ("decode", False)):
             b, l, noisy = [], [], ""
@@ -329,7 +340,9 @@ Same-shape rows: test-backend-ops --test-file at bespoke's shapes, weights cache
 * rows: llama.cpp's own perf shape, so GB/s per type (bespoke: its best streamed shape). llama.cpp's
 times include converting the activations (to bf16 / q8_0); bespoke's fp4 kernels take f32 activations,
 its fp4xq8 ones int8 (the closer match); bespoke's bf16 kernels f32 activations, its bf16dot ones
-(--bf16-act bf16) BF16, as llama.cpp's. ! llama-bench's repeats spread by more than 10% in a round
+(--bf16-act bf16) BF16, as llama.cpp's; amx rows (--bf16-act amx) prefill BF16 activations on AMX
+tiles and decode as the f32 rows (llama.cpp's CPU backend has no AMX path for BF16 weights).
+! llama-bench's repeats spread by more than 10% in a round
 (was the machine busy?).""")
 EOF
 say "saved $TXT (raw outputs: $RUN)"
