@@ -805,7 +805,7 @@ impl Kernels {
         thread_local! {
             static ACT: std::cell::RefCell<AmxX> = std::cell::RefCell::new(AmxX::default());
         }
-        let run = |a: &mut AmxX| {
+        let mut run = |a: &mut AmxX| {
             a.pack_from(x, n, m.cols)?;
             self.matmul_amx_with(k, m, a, y)
         };
