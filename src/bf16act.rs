@@ -32,8 +32,8 @@ pub enum Bf16Act {
     Bf16,
     /// BF16 matrices only: products of [`AMX_MIN_TOKENS`] or more tokens
     /// (prefill) on AMX tiles, activations rounded to BF16 (the amx
-    /// kernels; Intel CPUs with AMX-BF16); one token (decode) through the
-    /// f32 kernels, bit-identical to the reference.
+    /// kernels; Intel CPUs with AMX-BF16); fewer tokens (decode) through
+    /// the f32 kernels, bit-identical to the reference.
     Amx,
 }
 
@@ -145,8 +145,13 @@ impl Bf16X {
 }
 
 /// The fewest tokens a product takes to go to the amx kernels (with
-/// `--bf16-act amx`); a single token goes through the f32 kernels.
-pub const AMX_MIN_TOKENS: usize = 2;
+/// `--bf16-act amx`); fewer go through the f32 kernels. The amx kernels
+/// copy every weight once per call, so their time hardly moves from 2 to
+/// 16 tokens: `bench kernels --model /tmp/bespoke-bench-llama --formats
+/// bf16,amx --quick --threads 1 --tokens N` on the Intel Xeon VM, median µs
+/// at 2048 × 2048 cache-resident (amx / f32): 504 / 466 at 2 tokens, 533 /
+/// 345 at 4, 571 / 610 at 8, 556 / 1244 at 16.
+pub const AMX_MIN_TOKENS: usize = 8;
 
 /// Tokens per AMX token group (the columns of a sum tile).
 const AMX_GROUP: usize = 16;

@@ -126,7 +126,7 @@ fn banner(m: &ModelDir, k: &Kernels, reason: &str, ctx: usize) {
     }
     if k.bf16_act() == crate::bf16act::Bf16Act::Amx && has_format(m, "BF16") {
         eprintln!(
-            "amx: BF16 products of {}+ tokens (prefill) on AMX tiles with BF16 activations (--bf16-act amx): faster prefill, not token-exact; one token (decode) stays f32",
+            "amx: BF16 products of {}+ tokens (prefill) on AMX tiles with BF16 activations (--bf16-act amx): faster prefill, not token-exact; fewer (decode) stay f32",
             crate::bf16act::AMX_MIN_TOKENS
         );
     }
@@ -165,10 +165,10 @@ pub struct NumericsArgs {
     /// the f32 FMA's multiply-adds: faster prefill, as llama.cpp computes
     /// BF16 models); not token-exact (the definition and error bound are in
     /// src/bf16act.rs and tested). Needs a CPU with AVX512_BF16 (Zen 4 and
-    /// later, Cooper Lake, Sapphire Rapids and later). `amx`: products of 2
+    /// later, Cooper Lake, Sapphire Rapids and later). `amx`: products of 8
     /// or more tokens (prefill) on Intel AMX tiles (TDPBF16PS), activations
     /// rounded to BF16, 4-5x the default's prefill on a Xeon with AMX;
-    /// single tokens (decode) through the f32 kernels; not token-exact
+    /// fewer tokens (decode) through the f32 kernels; not token-exact
     /// (definition and error bound in src/bf16act.rs, tested). Needs a CPU
     /// with AMX-BF16 (Sapphire Rapids and later) and Linux 5.16 or later.
     #[arg(long, value_name = "ACT", value_enum, default_value_t = crate::bf16act::Bf16Act::F32)]

@@ -179,7 +179,7 @@ enum BenchWhat {
         /// attention-decode kernel at the shape set's attention shapes, one
         /// query against --context positions).
         /// Default: bf16,fp8,fp4,fp4q8,bf16dot,fp8dot,attn, and amx with
-        /// --tokens 2 or more.
+        /// --tokens 8 or more (where --bf16-act amx uses it).
         #[arg(long, value_name = "LIST")]
         formats: Option<String>,
         /// Positions in the KV cache of the attn cases (keys and values f32,
@@ -386,7 +386,7 @@ fn run(cli: Cli) -> Result<(), String> {
             let n = threads::init(threads::resolve(t)?);
             let list = formats.unwrap_or_else(|| {
                 let all = "bf16,fp8,fp4,fp4q8,bf16dot,fp8dot,attn";
-                if tokens > 1 {
+                if tokens >= bespoke::bf16act::AMX_MIN_TOKENS {
                     format!("{all},amx")
                 } else {
                     all.into()
