@@ -369,6 +369,16 @@ fn split(n: usize, parts: usize, align: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
+/// A row range r0..r1 of a `rows`-row matrix: 0 <= r0 <= r1 <= rows.
+fn check_row_range(r0: usize, r1: usize, rows: usize) -> Result<(), KernelError> {
+    if r0 > r1 || r1 > rows {
+        return Err(KernelError::Shape(format!(
+            "rows {r0}..{r1} of a {rows}-row matrix"
+        )));
+    }
+    Ok(())
+}
+
 /// Rows per chunk when the threads share a one-token product (see
 /// `Kernels::par_rows`): about 8 chunks a thread, a multiple of 16 (whole
 /// tiles of every variant), from 16 to 128 rows (of chunks of 32, 64 and
@@ -715,12 +725,7 @@ impl Kernels {
         r0: usize,
         r1: usize,
     ) -> Result<(), KernelError> {
-        if r0 > r1 || r1 > m.rows {
-            return Err(KernelError::Shape(format!(
-                "rows {r0}..{r1} of a {}-row matrix",
-                m.rows
-            )));
-        }
+        check_row_range(r0, r1, m.rows)?;
         let call = self.amx_call(k, m, x, y)?;
         call(r0, r1);
         Ok(())
@@ -871,12 +876,7 @@ impl Kernels {
         r0: usize,
         r1: usize,
     ) -> Result<(), KernelError> {
-        if r0 > r1 || r1 > m.rows {
-            return Err(KernelError::Shape(format!(
-                "rows {r0}..{r1} of a {}-row matrix",
-                m.rows
-            )));
-        }
+        check_row_range(r0, r1, m.rows)?;
         let call = self.bf16dot_call(k, m, x, y)?;
         call(r0, r1);
         Ok(())

@@ -815,6 +815,32 @@ fn fp8_act_flag() {
     check_dsv4_act_variant("--fp8-act", "bf16", "fp8_act", "fp8dot");
 }
 
+/// `score` outputs with `--bf16-act f32` and with `--bf16-act act`: the
+/// flag is reported, the logits move (BF16 activations) but little, and at
+/// least 90 % of the greedy choices stay.
+fn check_bf16_act_logits(out32: &str, out: &str, act: &str) {
+    let (v32, l32) = last_logits(out32);
+    let (v, l) = last_logits(out);
+    assert_eq!(v32["bf16_act"], "f32");
+    assert_eq!(v["bf16_act"], act);
+    assert!(l.iter().all(|x| x.is_finite()));
+    let dist = max_dist(&l32, &l);
+    let scale = l32.iter().map(|x| x.abs()).fold(0.0, f64::max);
+    assert!(dist > 0.0, "--bf16-act {act} changed nothing");
+    assert!(
+        dist < 0.05 * scale,
+        "--bf16-act {act} moved the logits by {dist} (largest |logit| {scale})"
+    );
+    let am = |v: &serde_json::Value| v["argmax"].as_array().unwrap().clone();
+    let (a32, a) = (am(&v32), am(&v));
+    let same = a32.iter().zip(&a).filter(|(x, y)| x == y).count();
+    assert!(
+        same * 10 >= a32.len() * 9,
+        "greedy choices: {same} of {} the same",
+        a32.len()
+    );
+}
+
 /// `--bf16-act bf16` (the bf16dot kernels for BF16 matrices) runs where the
 /// CPU has AVX512_BF16, says so, and moves the logits a little (BF16
 /// activations) without changing most greedy choices; where it cannot run,
@@ -837,26 +863,7 @@ fn bf16_act_flag() {
         }
         Ok(()) => {
             assert!(ok, "{err}");
-            let (v32, l32) = last_logits(&out32);
-            let (v16, l16) = last_logits(&out16);
-            assert_eq!(v32["bf16_act"], "f32");
-            assert_eq!(v16["bf16_act"], "bf16");
-            assert!(l16.iter().all(|x| x.is_finite()));
-            let dist = max_dist(&l32, &l16);
-            let scale = l32.iter().map(|x| x.abs()).fold(0.0, f64::max);
-            assert!(dist > 0.0, "BF16 activations changed nothing");
-            assert!(
-                dist < 0.05 * scale,
-                "BF16 activations moved the logits by {dist} (largest |logit| {scale})"
-            );
-            let am = |v: &serde_json::Value| v["argmax"].as_array().unwrap().clone();
-            let (a32, a16) = (am(&v32), am(&v16));
-            let same = a32.iter().zip(&a16).filter(|(x, y)| x == y).count();
-            assert!(
-                same * 10 >= a32.len() * 9,
-                "greedy choices: {same} of {} the same",
-                a32.len()
-            );
+            check_bf16_act_logits(&out32, &out16, "bf16");
             let (ok, _, err) = run(&words(
                 "run --model fixtures/tiny-llama --bf16-act bf16 --max-new-tokens 2",
             ));
@@ -892,25 +899,7 @@ fn bf16_act_amx_flag() {
         }
         Ok(()) => {
             assert!(ok, "{err}");
-            let (v32, l32) = last_logits(&out32);
-            let (vx, lx) = last_logits(&outx);
-            assert_eq!(vx["bf16_act"], "amx");
-            assert!(lx.iter().all(|x| x.is_finite()));
-            let dist = max_dist(&l32, &lx);
-            let scale = l32.iter().map(|x| x.abs()).fold(0.0, f64::max);
-            assert!(dist > 0.0, "AMX prefill changed nothing");
-            assert!(
-                dist < 0.05 * scale,
-                "AMX prefill moved the logits by {dist} (largest |logit| {scale})"
-            );
-            let am = |v: &serde_json::Value| v["argmax"].as_array().unwrap().clone();
-            let (a32, ax) = (am(&v32), am(&vx));
-            let same = a32.iter().zip(&ax).filter(|(x, y)| x == y).count();
-            assert!(
-                same * 10 >= a32.len() * 9,
-                "greedy choices: {same} of {} the same",
-                a32.len()
-            );
+            check_bf16_act_logits(&out32, &outx, "amx");
             let (ok, _, err) = run(&words(
                 "run --model fixtures/tiny-llama --bf16-act amx --max-new-tokens 2",
             ));

@@ -1396,10 +1396,23 @@ fn bf16dot_error_bound() {
     if !bf16dot_runs() {
         return;
     }
-    let mut rng = Rng(14);
     let k = Kernels::best().with_bf16_act(Bf16Act::Bf16).unwrap();
+    let shapes = [(64, 2048, 3), (37, 96, 7), (16, 4096, 1)];
+    check_error_bound(&k, Rng(14), &shapes, "bf16dot", bf16act::error_bound);
+}
+
+/// A BF16-activation variant's products (through `k`) on random BF16
+/// matrices and moderate activations, like a hidden state: every output
+/// within `bound` of the exact product, and the rounding shows.
+fn check_error_bound(
+    k: &Kernels,
+    mut rng: Rng,
+    shapes: &[(usize, usize, usize)],
+    name: &str,
+    bound: fn(&[u16], &[f32]) -> f64,
+) {
     let mut worst = 0.0f64;
-    for &(rows, cols, n) in &[(64, 2048, 3), (37, 96, 7), (16, 4096, 1)] {
+    for &(rows, cols, n) in shapes {
         let w: Vec<u16> = (0..rows * cols)
             .map(|_| bespoke::formats::f32_to_bf16(rng.unit() * 0.1))
             .collect();
@@ -1416,11 +1429,11 @@ fn bf16dot_error_bound() {
                     .zip(xt)
                     .map(|(&h, &v)| bespoke::formats::bf16_to_f32(h) as f64 * v as f64)
                     .sum();
-                let bound = bf16act::error_bound(wr, xt);
+                let b = bound(wr, xt);
                 let err = (y[j * rows + r] as f64 - exact).abs();
                 assert!(
-                    err <= bound,
-                    "{rows}x{cols} token {j} row {r}: |{} - {exact}| = {err:e} > bound {bound:e}",
+                    err <= b,
+                    "{name} {rows}x{cols} token {j} row {r}: |{} - {exact}| = {err:e} > bound {b:e}",
                     y[j * rows + r]
                 );
                 let mag: f64 = wr
@@ -1433,8 +1446,8 @@ fn bf16dot_error_bound() {
         }
     }
     // The rounding of x (up to 2^-9 of each term) must show.
-    assert!(worst > 1e-5, "bf16dot error suspiciously small: {worst:e}");
-    eprintln!("bf16dot: worst |y_bf16dot - y_exact| / sum|w x| = {worst:.2e}");
+    assert!(worst > 1e-5, "{name} error suspiciously small: {worst:e}");
+    eprintln!("{name}: worst |y_{name} - y_exact| / sum|w x| = {worst:.2e}");
 }
 
 /// Whether the amx kernels can run here; if not, says why, and fails when
@@ -1634,44 +1647,10 @@ fn amx_error_bound() {
     if !amx_runs() {
         return;
     }
-    let mut rng = Rng(17);
     let k = Kernels::best().with_bf16_act(Bf16Act::Amx).unwrap();
-    let mut worst = 0.0f64;
-    for &(rows, cols, n) in &[(64, 2048, 9), (37, 96, 17), (16, 4096, 8)] {
-        let w: Vec<u16> = (0..rows * cols)
-            .map(|_| bespoke::formats::f32_to_bf16(rng.unit() * 0.1))
-            .collect();
-        let m = Matrix::new(rows, cols, Weights::Bf16(&w)).unwrap();
-        let x: Vec<f32> = (0..n * cols).map(|_| rng.unit() * 3.0).collect();
-        let mut y = vec![0f32; n * rows];
-        k.matmul(&m, &x, n, &mut y).unwrap();
-        for j in 0..n {
-            let xt = &x[j * cols..(j + 1) * cols];
-            for r in 0..rows {
-                let wr = &w[r * cols..(r + 1) * cols];
-                let exact: f64 = wr
-                    .iter()
-                    .zip(xt)
-                    .map(|(&h, &v)| bespoke::formats::bf16_to_f32(h) as f64 * v as f64)
-                    .sum();
-                let bound = bf16act::amx_error_bound(wr, xt);
-                let err = (y[j * rows + r] as f64 - exact).abs();
-                assert!(
-                    err <= bound,
-                    "{rows}x{cols} token {j} row {r}: |{} - {exact}| = {err:e} > bound {bound:e}",
-                    y[j * rows + r]
-                );
-                let mag: f64 = wr
-                    .iter()
-                    .zip(xt)
-                    .map(|(&h, &v)| (bespoke::formats::bf16_to_f32(h) as f64 * v as f64).abs())
-                    .sum();
-                worst = worst.max(err / mag);
-            }
-        }
-    }
-    assert!(worst > 1e-5, "amx error suspiciously small: {worst:e}");
-    eprintln!("amx: worst |y_amx - y_exact| / sum|w x| = {worst:.2e}");
+    // all at AMX_MIN_TOKENS or more, so that all go through the amx kernels
+    let shapes = [(64, 2048, 9), (37, 96, 17), (16, 4096, 8)];
+    check_error_bound(&k, Rng(17), &shapes, "amx", bf16act::amx_error_bound);
 }
 
 #[test]
