@@ -30,10 +30,10 @@ pub enum Bf16Act {
     /// Activations rounded to BF16, VDPBF16PS pair products (the bf16dot
     /// or fp8dot kernels; AVX-512 BF16 CPUs only).
     Bf16,
-    /// BF16 matrices only: products of [`AMX_MIN_TOKENS`] or more tokens
-    /// (prefill) on AMX tiles, activations rounded to BF16 (the amx
-    /// kernels; Intel CPUs with AMX-BF16); fewer tokens (decode) through
-    /// the f32 kernels, bit-identical to the reference.
+    /// BF16 matrices only: products of 8 or more tokens (prefill) on AMX
+    /// tiles, activations rounded to BF16 (the amx kernels; Intel CPUs
+    /// with AMX-BF16); fewer tokens (decode) through the f32 kernels,
+    /// bit-identical to the reference.
     Amx,
 }
 
@@ -496,6 +496,18 @@ pub fn amx_edge_rows() -> (Vec<u16>, Vec<f32>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `--help` says the token count the code uses.
+    #[test]
+    fn amx_help_names_the_token_threshold() {
+        use clap::ValueEnum;
+        let v = Bf16Act::Amx.to_possible_value().unwrap();
+        let help = v.get_help().unwrap().to_string();
+        assert!(
+            help.contains(&format!("{AMX_MIN_TOKENS} or more tokens")),
+            "{help}"
+        );
+    }
 
     /// The amx layout: token j's columns 2p, 2p + 1 in one u32 at group
     /// j / 16, chunk p / 16, pair p % 16, slot j % 16; zero past cols and n;
