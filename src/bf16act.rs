@@ -106,16 +106,7 @@ impl Bf16X {
     /// Round x (`[n][cols]`, row-major by token) into these buffers (reused
     /// across calls).
     pub fn pack_from(&mut self, x: &[f32], n: usize, cols: usize) -> Result<(), KernelError> {
-        let want = n
-            .checked_mul(cols)
-            .ok_or_else(|| KernelError::Shape("bf16dot: n × cols overflows".into()))?;
-        if x.len() != want {
-            return Err(KernelError::Length {
-                what: format!("bf16dot activations [{n}, {cols}]"),
-                expected: want,
-                found: x.len(),
-            });
-        }
+        check_activations("bf16dot", x, n, cols)?;
         let xs = stride(cols);
         self.h.clear();
         self.h.resize(n * xs, 0);
@@ -142,6 +133,21 @@ impl Bf16X {
         self.cols = cols;
         Ok(())
     }
+}
+
+/// x holds n tokens of `cols` columns (for the `family` kernels' packing).
+fn check_activations(family: &str, x: &[f32], n: usize, cols: usize) -> Result<(), KernelError> {
+    let want = n
+        .checked_mul(cols)
+        .ok_or_else(|| KernelError::Shape(format!("{family}: n × cols overflows")))?;
+    if x.len() != want {
+        return Err(KernelError::Length {
+            what: format!("{family} activations [{n}, {cols}]"),
+            expected: want,
+            found: x.len(),
+        });
+    }
+    Ok(())
 }
 
 /// The fewest tokens a product takes to go to the amx kernels (with
@@ -199,16 +205,7 @@ impl AmxX {
     /// Round x (`[n][cols]`, row-major by token) into these buffers (reused
     /// across calls).
     pub fn pack_from(&mut self, x: &[f32], n: usize, cols: usize) -> Result<(), KernelError> {
-        let want = n
-            .checked_mul(cols)
-            .ok_or_else(|| KernelError::Shape("amx: n × cols overflows".into()))?;
-        if x.len() != want {
-            return Err(KernelError::Length {
-                what: format!("amx activations [{n}, {cols}]"),
-                expected: want,
-                found: x.len(),
-            });
-        }
+        check_activations("amx", x, n, cols)?;
         let len = Self::len_for(n, cols)
             .ok_or_else(|| KernelError::Shape("amx: packed activations overflow".into()))?;
         self.b.clear();

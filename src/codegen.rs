@@ -108,6 +108,24 @@ struct AttnCtx {
 /// Dispatch-table rows and header declarations of one kernel family: its
 /// generic kernel, then one per shape. `head` opens each row (the struct and
 /// the fields before `shape`).
+/// The plan's `f` matrix shapes, each with its kernel's symbol.
+fn shape_symbols(
+    the_plan: &Plan,
+    f: Format,
+    symbol: impl Fn(&MatShape) -> String,
+) -> Vec<ShapeSymbol> {
+    the_plan
+        .mat_shapes
+        .iter()
+        .filter(|s| s.format == f)
+        .map(|s| ShapeSymbol {
+            rows: s.rows,
+            cols: s.cols,
+            symbol: symbol(s),
+        })
+        .collect()
+}
+
 fn table_rows(
     table: &mut String,
     fns: &mut Vec<FnDecl>,
@@ -493,16 +511,7 @@ pub fn build() -> BuildResult<()> {
     for f in [Format::Bf16, Format::Fp8] {
         let compiled = isas.contains(&Isa::Avx512);
         let generic = plan::dot_symbol(f, None);
-        let shapes: Vec<ShapeSymbol> = the_plan
-            .mat_shapes
-            .iter()
-            .filter(|s| s.format == f)
-            .map(|s| ShapeSymbol {
-                rows: s.rows,
-                cols: s.cols,
-                symbol: plan::dot_symbol(f, Some(s)),
-            })
-            .collect();
+        let shapes = shape_symbols(&the_plan, f, |s| plan::dot_symbol(f, Some(s)));
         let (mr, nr, mv) = if f == Format::Fp8 {
             FP8DOT_TILE
         } else {
@@ -555,16 +564,7 @@ pub fn build() -> BuildResult<()> {
     let mut amx_sources = Vec::new();
     {
         let generic = plan::amx_symbol(None);
-        let shapes: Vec<ShapeSymbol> = the_plan
-            .mat_shapes
-            .iter()
-            .filter(|s| s.format == Format::Bf16)
-            .map(|s| ShapeSymbol {
-                rows: s.rows,
-                cols: s.cols,
-                symbol: plan::amx_symbol(Some(s)),
-            })
-            .collect();
+        let shapes = shape_symbols(&the_plan, Format::Bf16, |s| plan::amx_symbol(Some(s)));
         let mut ctx = tera::Context::new();
         ctx.insert("generic", &generic);
         ctx.insert("shapes", &shapes);

@@ -379,6 +379,31 @@ fn check_row_range(r0: usize, r1: usize, rows: usize) -> Result<(), KernelError>
     Ok(())
 }
 
+/// A `family` kernel specialised for `shape` (None: generic) on matrix `m`
+/// with packed activations of `x_cols` columns: the shapes agree.
+fn check_dot_shape(
+    family: &str,
+    shape: Option<(usize, usize)>,
+    m: &Matrix,
+    x_cols: usize,
+) -> Result<(), KernelError> {
+    if let Some((r, c)) = shape {
+        if (r, c) != (m.rows, m.cols) {
+            return Err(KernelError::Shape(format!(
+                "{family} kernel specialised for {r}×{c} used on a {}×{} matrix",
+                m.rows, m.cols
+            )));
+        }
+    }
+    if x_cols != m.cols {
+        return Err(KernelError::Shape(format!(
+            "{family} activations of {x_cols} columns against a {}×{} matrix",
+            m.rows, m.cols
+        )));
+    }
+    Ok(())
+}
+
 /// Rows per chunk when the threads share a one-token product (see
 /// `Kernels::par_rows`): about 8 chunks a thread, a multiple of 16 (whole
 /// tiles of every variant), from 16 to 128 rows (of chunks of 32, 64 and
@@ -747,20 +772,7 @@ impl Kernels {
                 m.format()
             )));
         };
-        if let Some((r, c)) = k.shape {
-            if (r, c) != (m.rows, m.cols) {
-                return Err(KernelError::Shape(format!(
-                    "amx kernel specialised for {r}×{c} used on a {}×{} matrix",
-                    m.rows, m.cols
-                )));
-            }
-        }
-        if x.cols != m.cols {
-            return Err(KernelError::Shape(format!(
-                "amx activations of {} columns against a {}×{} matrix",
-                x.cols, m.rows, m.cols
-            )));
-        }
+        check_dot_shape("amx", k.shape, m, x.cols)?;
         let n = x.n;
         let len = AmxX::len_for(n, m.cols)
             .ok_or_else(|| KernelError::Shape("amx: packed activations overflow".into()))?;
@@ -904,20 +916,7 @@ impl Kernels {
                 )))
             }
         };
-        if let Some((r, c)) = k.shape {
-            if (r, c) != (m.rows, m.cols) {
-                return Err(KernelError::Shape(format!(
-                    "{family} kernel specialised for {r}×{c} used on a {}×{} matrix",
-                    m.rows, m.cols
-                )));
-            }
-        }
-        if x.cols != m.cols {
-            return Err(KernelError::Shape(format!(
-                "{family} activations of {} columns against a {}×{} matrix",
-                x.cols, m.rows, m.cols
-            )));
-        }
+        check_dot_shape(family, k.shape, m, x.cols)?;
         let (n, xs) = (x.n, x.stride());
         check_len(&format!("{family} input X [{n}, {xs}]"), n * xs, x.h.len())?;
         check_len(

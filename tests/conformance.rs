@@ -1272,6 +1272,36 @@ fn check_bf16dot(o: &Owned, x: &[f32], n: usize) -> Vec<f32> {
     want
 }
 
+/// A matrix whose every row is the same: rows r0..r1 (the start, an
+/// unaligned middle `len` rows long, the end) of all tokens, through
+/// `run(kernel, y, r0, r1)` with each kernel, equal `wants` (one per token).
+fn check_row_ranges<K: Copy>(
+    name: &str,
+    rows: usize,
+    cols: usize,
+    wants: &[f32],
+    kernels: &[K],
+    len: usize,
+    mut run: impl FnMut(K, &mut [f32], usize, usize),
+) {
+    let mid = rows / 2 + 7;
+    for (r0, r1) in [(0, 9), (mid, (mid + len).min(rows)), (rows - 5, rows)] {
+        for &kern in kernels {
+            let mut y = vec![0f32; wants.len() * rows];
+            run(kern, &mut y, r0, r1);
+            for (j, want) in wants.iter().enumerate() {
+                for r in r0..r1 {
+                    assert!(
+                        common::same(y[j * rows + r], *want),
+                        "{name} {rows}x{cols} token {j} row {r}: {} vs reference {want}",
+                        y[j * rows + r]
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The bf16dot (BF16) or fp8dot (FP8) kernels on big specialised shapes:
 /// one random row (and, FP8, its scales) tiled over the matrix, n tokens;
 /// row ranges at the start, an unaligned middle and the end, specialised and
@@ -1295,25 +1325,19 @@ fn dot_tiled_rows(rng: &mut Rng, format: Format, shapes: &[(usize, usize)], n: u
             .map(|j| dot_reference(&one, 0, &a.bits()[j * xs..(j + 1) * xs]))
             .collect();
         note_finite(&format!("{family} {rows}x{cols} tiled row"), &wants, cols);
-        let spec = Kernels::bf16dot_kernel_specialised(format, rows, cols).unwrap();
-        let generic = Kernels::bf16dot_kernel_generic(format).unwrap();
-        let mid = rows / 2 + 7;
-        for (r0, r1) in [(0, 9), (mid, (mid + 21).min(rows)), (rows - 5, rows)] {
-            for kern in [spec, generic] {
-                let mut y = vec![0f32; n * rows];
-                k.matmul_bf16dot_rows_with(kern, &m, &a, &mut y, r0, r1)
-                    .unwrap();
-                for (j, want) in wants.iter().enumerate() {
-                    for r in r0..r1 {
-                        assert!(
-                            common::same(y[j * rows + r], *want),
-                            "{family} {rows}x{cols} token {j} row {r}: {} vs reference {want}",
-                            y[j * rows + r]
-                        );
-                    }
-                }
-            }
-        }
+        let kernels = [
+            Kernels::bf16dot_kernel_specialised(format, rows, cols).unwrap(),
+            Kernels::bf16dot_kernel_generic(format).unwrap(),
+        ];
+        check_row_ranges(
+            family,
+            rows,
+            cols,
+            &wants,
+            &kernels,
+            21,
+            |kern, y, r0, r1| k.matmul_bf16dot_rows_with(kern, &m, &a, y, r0, r1).unwrap(),
+        );
     }
     let names: Vec<String> = BF16DOT_KERNELS
         .iter()
@@ -1351,27 +1375,17 @@ fn bf16dot_matches_its_reference() {
         .into_iter()
         .partition(|&(r, c)| r * c <= 1 << 20);
     shapes.extend(small);
-    for &(rows, cols) in &shapes {
-        let o = Owned::random(&mut rng, Format::Bf16, rows, cols);
-        for n in [1, 5, 6, 13] {
-            // every kind of activation (zeros, -0, subnormals, 1e30,
-            // f32::MAX) and, on some, an infinity and a NaN
-            let mut x = rng.activations(n * cols);
-            if cols >= 96 && n == 5 {
-                x[cols + 40] = f32::INFINITY;
-                x[2 * cols - 1] = f32::NAN;
-            }
-            let y = check_bf16dot(&o, &x, n);
-            note_finite(
-                &format!("bf16dot {rows}x{cols} n={n} token 0"),
-                &y[..rows],
-                cols,
-            );
-            if cols >= 96 && n == 5 {
-                assert!(y[rows..2 * rows].iter().all(|v| v.is_nan()));
-            }
-        }
-    }
+    // every kind of activation (zeros, -0, subnormals, 1e30, f32::MAX) and,
+    // at 5 tokens, an infinity and a NaN
+    random_sweep(
+        &mut rng,
+        Format::Bf16,
+        &shapes,
+        &[1, 5, 6, 13],
+        5,
+        "bf16dot",
+        check_bf16dot,
+    );
     dot_tiled_rows(&mut rng, Format::Bf16, &big, 7);
     // The flushing and the order of each pair, which random data rarely
     // shows, on the CPU's own instruction.
@@ -1448,6 +1462,41 @@ fn check_error_bound(
     // The rounding of x (up to 2^-9 of each term) must show.
     assert!(worst > 1e-5, "{name} error suspiciously small: {worst:e}");
     eprintln!("{name}: worst |y_{name} - y_exact| / sum|w x| = {worst:.2e}");
+}
+
+/// Random `format` matrices of every shape against every token count in
+/// `ns`, through `check` (which holds the kernels to their definition and
+/// returns the outputs); at `planted` tokens, on rows of 96 columns or
+/// more, token 1 holds an infinity and a NaN, and all its outputs are NaN.
+fn random_sweep(
+    rng: &mut Rng,
+    format: Format,
+    shapes: &[(usize, usize)],
+    ns: &[usize],
+    planted: usize,
+    name: &str,
+    check: fn(&Owned, &[f32], usize) -> Vec<f32>,
+) {
+    for &(rows, cols) in shapes {
+        let o = Owned::random(rng, format, rows, cols);
+        for &n in ns {
+            let mut x = rng.activations(n * cols);
+            let plant = cols >= 96 && n == planted;
+            if plant {
+                x[cols + 40] = f32::INFINITY;
+                x[2 * cols - 1] = f32::NAN;
+            }
+            let y = check(&o, &x, n);
+            note_finite(
+                &format!("{name} {rows}x{cols} n={n} token 0"),
+                &y[..rows],
+                cols,
+            );
+            if plant {
+                assert!(y[rows..2 * rows].iter().all(|v| v.is_nan()));
+            }
+        }
+    }
 }
 
 /// Whether the amx kernels can run here; if not, says why, and fails when
@@ -1552,26 +1601,9 @@ fn amx_matches_its_reference() {
         .into_iter()
         .partition(|&(r, c)| r * c <= 1 << 20);
     shapes.extend(small);
-    for &(rows, cols) in &shapes {
-        let o = Owned::random(&mut rng, Format::Bf16, rows, cols);
-        // token groups of 16 in pairs, an odd group, partial groups
-        for n in [1, 2, 15, 16, 17, 33, 48] {
-            let mut x = rng.activations(n * cols);
-            if cols >= 96 && n == 17 {
-                x[cols + 40] = f32::INFINITY;
-                x[2 * cols - 1] = f32::NAN;
-            }
-            let y = check_amx(&o, &x, n);
-            note_finite(
-                &format!("amx {rows}x{cols} n={n} token 0"),
-                &y[..rows],
-                cols,
-            );
-            if cols >= 96 && n == 17 {
-                assert!(y[rows..2 * rows].iter().all(|v| v.is_nan()));
-            }
-        }
-    }
+    // token groups of 16 in pairs, an odd group, partial groups
+    let ns = [1, 2, 15, 16, 17, 33, 48];
+    random_sweep(&mut rng, Format::Bf16, &shapes, &ns, 17, "amx", check_amx);
     // Several 32-row blocks per pass over the activations (a slab's
     // activations past 1 MiB: 16 token groups of 65 chunks), two slabs of
     // token groups (the second partial), rows left after the last block.
@@ -1595,23 +1627,15 @@ fn amx_matches_its_reference() {
             Kernels::amx_kernel_specialised(rows, cols).unwrap(),
             Kernels::amx_kernel_generic().unwrap(),
         ];
-        let mid = rows / 2 + 7;
-        for (r0, r1) in [(0, 9), (mid, (mid + 41).min(rows)), (rows - 5, rows)] {
-            for kern in kernels {
-                let mut y = vec![0f32; n * rows];
-                k.matmul_amx_rows_with(kern, &m, &a, &mut y, r0, r1)
-                    .unwrap();
-                for (j, want) in wants.iter().enumerate() {
-                    for r in r0..r1 {
-                        assert!(
-                            common::same(y[j * rows + r], *want),
-                            "amx {rows}x{cols} token {j} row {r}: {} vs reference {want}",
-                            y[j * rows + r]
-                        );
-                    }
-                }
-            }
-        }
+        check_row_ranges(
+            "amx",
+            rows,
+            cols,
+            &wants,
+            &kernels,
+            41,
+            |kern, y, r0, r1| k.matmul_amx_rows_with(kern, &m, &a, y, r0, r1).unwrap(),
+        );
     }
     let names: Vec<String> = AMX_KERNELS
         .iter()
@@ -1682,26 +1706,17 @@ fn fp8dot_matches_its_reference() {
         .into_iter()
         .partition(|&(r, c)| r * c <= 1 << 20);
     shapes.extend(small);
-    for &(rows, cols) in &shapes {
-        let o = Owned::random(&mut rng, Format::Fp8, rows, cols);
-        // 1: the matvec tile; 2..7, 13: the 2 x 6 tile and its rests
-        for n in [1, 2, 3, 4, 5, 7, 13] {
-            let mut x = rng.activations(n * cols);
-            if cols >= 96 && n == 4 {
-                x[cols + 40] = f32::INFINITY;
-                x[2 * cols - 1] = f32::NAN;
-            }
-            let y = check_bf16dot(&o, &x, n);
-            note_finite(
-                &format!("fp8dot {rows}x{cols} n={n} token 0"),
-                &y[..rows],
-                cols,
-            );
-            if cols >= 96 && n == 4 {
-                assert!(y[rows..2 * rows].iter().all(|v| v.is_nan()));
-            }
-        }
-    }
+    // 1: the matvec tile; 2..7, 13: the 2 x 6 tile and its rests
+    let ns = [1, 2, 3, 4, 5, 7, 13];
+    random_sweep(
+        &mut rng,
+        Format::Fp8,
+        &shapes,
+        &ns,
+        4,
+        "fp8dot",
+        check_bf16dot,
+    );
     // Planted extremes in every row block: NaN codes, NaN / 2^127 / 2^-127
     // scales, the largest and the subnormal codes, f32::MAX activations.
     let (rows, cols) = (260, 512);
