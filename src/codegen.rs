@@ -208,7 +208,7 @@ fn tiles(isa: Isa, f: Format) -> Vec<Tile> {
     let mv = isa.tile(Op::Matvec, f);
     let mm = isa.tile(Op::Matmul, f);
     let mut v: Vec<Tile> = Vec::new();
-    for t in [
+    let all = [
         Tile { rows: 1, cols: 1 },
         Tile {
             rows: mv.rows,
@@ -223,12 +223,40 @@ fn tiles(isa: Isa, f: Format) -> Vec<Tile> {
             cols: mm.cols,
         },
         mm,
-    ] {
+    ];
+    let rest = rest_tiles(isa, f);
+    let rest = rest.iter().flat_map(|&q| {
+        [
+            Tile {
+                rows: mm.rows,
+                cols: q,
+            },
+            Tile { rows: 1, cols: q },
+        ]
+    });
+    for t in all.into_iter().chain(rest) {
         if !v.contains(&t) {
             v.push(t);
         }
     }
     v
+}
+
+/// Token counts below the matmul tile's that get tiles of their own: the
+/// tokens left over after the whole column tiles of X (prefill's 256-token
+/// steps leave 4 for the AVX-512 4 × 6 tile) then go through W once, as one
+/// narrower tile, where one-token tiles went through it once per token. F32
+/// and BF16 where x is read in place (the permuted and block-scaled paths
+/// take their own tiles).
+fn rest_tiles(isa: Isa, f: Format) -> Vec<usize> {
+    let desc = isa.desc();
+    let mm = isa.tile(Op::Matmul, f);
+    let plain = f.block_cols() == 0 && !desc.permuted.contains(&f.name());
+    if plain && mm.cols > 2 {
+        (2..mm.cols).collect()
+    } else {
+        Vec::new()
+    }
 }
 
 pub fn build() -> BuildResult<()> {
@@ -366,6 +394,7 @@ pub fn build() -> BuildResult<()> {
             ctx.insert("mv", &isa.tile(Op::Matvec, f));
             ctx.insert("mm", &isa.tile(Op::Matmul, f));
             ctx.insert("tiles", &tiles(isa, f));
+            ctx.insert("rest_tiles", &rest_tiles(isa, f));
             let generic = ShapeCtx {
                 rows: 0,
                 cols: 0,

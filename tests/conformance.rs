@@ -620,6 +620,21 @@ fn matmul_across_row_blocks() {
     }
 }
 
+/// Many tokens of long rows: the F32 and BF16 matmul kernels take X in
+/// slabs of about 768 KiB, every row block against one slab before the next
+/// (here 26 tokens of 8192 columns: slabs of 18 and 8 with the AVX-512 tile
+/// of 6 tokens), and the tokens left over after the whole column tiles as
+/// one narrower tile (2, 4, 5 here; 3 in `matmul_up_to_64_columns`).
+#[test]
+fn matmul_token_slabs() {
+    let _tally = FiniteTally::start();
+    let ks = runnable();
+    let mut rng = Rng(6);
+    for format in FORMATS {
+        check_full(&ks, &mut rng, format, 20, 8192, &[2, 26, 29]);
+    }
+}
+
 /// Every specialised shape of this build. Shapes up to 1M weights are checked
 /// whole; bigger ones on row ranges at the start, an unaligned middle and the
 /// end (the rest of the buffer stays zero and untouched by the kernel).
