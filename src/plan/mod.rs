@@ -436,9 +436,9 @@ impl Isa {
             // x vector of the 32 registers, one BF16 conversion per 6 FMAs.
             // On an Intel Xeon VM (Granite Rapids class), 1 thread, 128
             // tokens, the generated kernels alternated in one C program:
-            // 2048 × 2048 1.04-1.11x the 4 × 4 tile, 5632 × 2048 1.07-1.09x;
+            // 2048 × 2048 1.04-1.13x the 4 × 4 tile, 5632 × 2048 1.07-1.09x;
             // 4 × 5 and 4 × 7 were level with it or below, tiles of 2 or 3
-            // rows (3 × 8, 2 × 12) 0.6-0.75x.
+            // rows (3 × 8, 2 × 12, 3 × 6) 0.64-0.80x.
             (Isa::Avx512, _, false) => t(4, 6),
             (Isa::Avx512, _, true) => t(2, 4),
             (Isa::Neon | Isa::NeonBase, Op::Matvec, false) => t(4, 1),
