@@ -12,14 +12,15 @@
 #define BS_ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* How far past a tile row's current position (pos bytes into a row of
- * row_bytes) to prefetch, for a tile of mr rows read side by side: ahead
- * bytes on in the same row; past the row's end, that far into the next
- * tile's row (row i + mr); rows no longer than ahead take the next tile's
- * row at the same column. */
-BS_ALWAYS_INLINE size_t bs_pf_dist(size_t row_bytes, size_t pos, size_t ahead, size_t mr)
+ * row_bytes) to prefetch, for tiles whose row i is `span` rows on from the
+ * previous tile's row i (MR, or MR times the row step for tiles of rows a
+ * step apart, taken in groups): ahead bytes on in the same row; past the
+ * row's end, that far into row i + span; rows no longer than ahead take
+ * row i + span at the same column. */
+BS_ALWAYS_INLINE size_t bs_pf_dist(size_t row_bytes, size_t pos, size_t ahead, size_t span)
 {
     const size_t d = row_bytes < ahead ? row_bytes : ahead;
-    return pos + d < row_bytes ? d : d + (mr - 1) * row_bytes;
+    return pos + d < row_bytes ? d : d + (span - 1) * row_bytes;
 }
 
 /* exp(x) for the softmax (x <= 0, or NaN): Cody-Waite reduction by ln 2 and

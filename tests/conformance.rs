@@ -635,6 +635,57 @@ fn matmul_token_slabs() {
     }
 }
 
+/// Matvec rows shorter than a page (AVX-512: rows of 512 B, 1 KiB and 2 KiB
+/// here) go in groups of MR x ps rows, ps = 4096 / row bytes, as ps tiles
+/// whose rows are ps apart (`IsaDesc::matvec_page_bytes`); 141 rows make two
+/// groups at every ps with rows left for the plain tiles and single rows,
+/// and a range starting at row 3 puts the groups off the matrix's start.
+#[test]
+fn matvec_rows_in_page_groups() {
+    let _tally = FiniteTally::start();
+    let ks = runnable();
+    let mut rng = Rng(7);
+    let rows = 141;
+    for format in FORMATS {
+        for row_bytes in [512, 1024, 2048] {
+            let cols = match format {
+                Format::F32 => row_bytes / 4,
+                Format::Bf16 => row_bytes / 2,
+                Format::Fp8 => row_bytes,
+                Format::Fp4 => row_bytes * 2,
+            };
+            let o = Owned::random(&mut rng, format, rows, cols);
+            let m = o.matrix();
+            let x = rng.activations(cols);
+            let want: Vec<f32> = (0..rows).map(|r| reference::row_dot(&m, r, &x)).collect();
+            note_finite(&format!("{format} {rows}x{cols}"), &want, cols);
+            for k in &ks {
+                for (kind, kern) in kernels_for(k, &o) {
+                    for (r0, r1) in [(0, rows), (3, rows - 2)] {
+                        let mut y = vec![f32::NAN; rows];
+                        k.matvec_rows_with(kern, &m, &x, &mut y, r0, r1).unwrap();
+                        for r in r0..r1 {
+                            assert!(
+                                common::same(y[r], want[r]),
+                                "{} {format} {kind} matvec {rows}x{cols} rows {r0}..{r1}: row {r}: kernel {:e}, reference {:e}",
+                                k.isa(),
+                                y[r],
+                                want[r]
+                            );
+                        }
+                        let outside = (0..r0).chain(r1..rows).find(|&r| !y[r].is_nan());
+                        assert!(
+                            outside.is_none(),
+                            "{} {format} {kind} matvec {rows}x{cols} rows {r0}..{r1} wrote row {outside:?}",
+                            k.isa()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Every specialised shape of this build. Shapes up to 1M weights are checked
 /// whole; bigger ones on row ranges at the start, an unaligned middle and the
 /// end (the rest of the buffer stays zero and untouched by the kernel).

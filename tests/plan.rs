@@ -405,6 +405,34 @@ fn matvec_row_step_is_not_combined_with_prefetch() {
     }
 }
 
+/// The page step (`matvec_page_bytes`) works out its own row step from the
+/// row length, so it is never set with a fixed `matvec_row_step`; it is a
+/// power of two (a page holds a whole number of the rows it takes); and the
+/// prefetch reaches a whole row on (`prefetch_ahead` 0 or at least a page),
+/// so that rows shorter than a page are prefetched at the same row of the
+/// next group (bs_pf_dist with a span of MR times the step).
+#[test]
+fn matvec_page_step_is_consistent() {
+    let mut set = 0;
+    for isa in plan::ISAS {
+        let d = isa.desc();
+        if d.matvec_page_bytes == 0 {
+            continue;
+        }
+        set += 1;
+        assert!(d.matvec_page_bytes.is_power_of_two(), "{}", d.name);
+        assert_eq!(d.matvec_row_step, 1, "{}: both row steps set", d.name);
+        assert!(
+            d.prefetch_ahead == 0 || d.prefetch_ahead >= d.matvec_page_bytes,
+            "{}: prefetch_ahead {} below the page {}",
+            d.name,
+            d.prefetch_ahead,
+            d.matvec_page_bytes
+        );
+    }
+    assert!(set > 0, "no ISA sets matvec_page_bytes");
+}
+
 /// The FP4 tiles' own prefetch (`fp4_prefetch_ahead`, also taken by the
 /// fp4×q8 rows, which are one row at a time) asks for the line a fixed
 /// distance on from the chunk being read, which is where the stream goes

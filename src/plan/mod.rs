@@ -229,6 +229,25 @@ pub struct IsaDesc {
     /// combined with `prefetch_ahead`, whose distances assume consecutive
     /// rows (a test checks). 1 where not measured.
     pub matvec_row_step: usize,
+    /// Matvec rows shorter than this many bytes (a page; 0: off), where the
+    /// page holds a whole number ps of rows: the multi-row tiles then take
+    /// groups of MR·ps rows as ps tiles whose rows are ps apart (as
+    /// `matvec_row_step`, but worked out from the row length, at run time
+    /// where the shape is not baked in), so that a tile's MR rows lie in MR
+    /// pages and each page is read front to back by one tile after another,
+    /// not as ps rows side by side (which the hardware prefetcher, tracking
+    /// a stream per page, followed badly). The software prefetch reaches
+    /// for the same row of the next group. On an Intel Xeon VM (Granite
+    /// Rapids class), 1 thread, 1 GiB of matrices streamed through the
+    /// generated kernels in one C program, alternated, same bits: FP8
+    /// 4096 x 2048 (2 KiB rows) 11.8 -> 14.3 GB/s, 8192 x 1024 10.4 -> 13.8,
+    /// FP4 2048 x 4096 10.4 -> 11.6, 4096 x 2048 9.9 -> 10.7; cache-resident
+    /// 0.94-1.02x. `bench kernels --formats fp8,fp4 --isa avx512 --threads
+    /// 2`, two alternated runs, % of the read bandwidth streamed: FP8
+    /// 4096 x 2048 78-79 -> 90 (1 thread), 74-76 -> 85-88 (2); FP4
+    /// 2048 x 4096 72-76 -> 80-83 and 67-69 -> 74-76; FP4 4096 x 2048 67-71
+    /// -> 74-76 and 61-63 -> 67-68.
+    pub matvec_page_bytes: usize,
     /// Whether the ISA header has `bs_dec32_bf16`, 32 BF16 columns (one
     /// 64-byte line) decoded from one load into two lane groups: the BF16
     /// one-token tiles then step a whole line of each row at a time, every
@@ -282,6 +301,7 @@ impl Isa {
                 fp4_prefetch_ahead: 0,
                 prefetch_locality: 3,
                 matvec_row_step: 1,
+                matvec_page_bytes: 0,
                 bf16_line: false,
                 bf16_one_row_cols: 0,
                 score: 1,
@@ -309,6 +329,7 @@ impl Isa {
                 // their pages (2048 x 4096: 21-25 -> 25-29), in a C loop of the
                 // generated kernel; 2 was in between.
                 matvec_row_step: 4,
+                matvec_page_bytes: 0,
                 bf16_line: false,
                 bf16_one_row_cols: 2048,
                 score: 20,
@@ -356,6 +377,7 @@ impl Isa {
                 fp4_prefetch_ahead: 0,
                 prefetch_locality: 2,
                 matvec_row_step: 1,
+                matvec_page_bytes: 4096,
                 bf16_line: true,
                 bf16_one_row_cols: 2048,
                 score: 30,
@@ -379,6 +401,7 @@ impl Isa {
                 fp4_prefetch_ahead: 0,
                 prefetch_locality: 3,
                 matvec_row_step: 1,
+                matvec_page_bytes: 0,
                 bf16_line: false,
                 bf16_one_row_cols: 0,
                 score: 20,
