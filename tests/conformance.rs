@@ -1753,8 +1753,12 @@ fn fp8dot_matches_its_reference() {
     let mut shapes = awkward_shapes(Format::Fp8);
     // chunk and half tails (1, 31, 32, 33, 63 columns past a 64-column
     // load), partial scale blocks, rows across 128-row scale blocks, row
-    // tiles of 8 and 4 with rows left over, rows past one 128 KiB block
+    // tiles of 8 and 4 with rows left over, rows past one 128 KiB block;
+    // rows of 512 B, 1 KiB and 2 KiB in the matvec's page groups (260 x
+    // 512, 100 x 1024, 70 x 2048: 8 ps rows a group, rows left over)
     shapes.extend([
+        (100, 1024),
+        (70, 2048),
         (8, 32),
         (9, 33),
         (4, 64),
