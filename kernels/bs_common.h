@@ -23,6 +23,14 @@ BS_ALWAYS_INLINE size_t bs_pf_dist(size_t row_bytes, size_t pos, size_t ahead, s
     return pos + d < row_bytes ? d : d + (span - 1) * row_bytes;
 }
 
+/* The row step of a matvec tile whose rows are shorter than a page of
+ * `page` bytes (IsaDesc::matvec_page_bytes): the number of rows a page
+ * holds, where that is a whole number above 1; else 1 (rows in order). */
+BS_ALWAYS_INLINE size_t bs_page_step(size_t row_bytes, size_t page)
+{
+    return row_bytes > 0 && row_bytes < page && page % row_bytes == 0 ? page / row_bytes : 1;
+}
+
 /* exp(x) for the softmax (x <= 0, or NaN): Cody-Waite reduction by ln 2 and
  * a degree-6 polynomial (the Cephes expf coefficients); about 1 ulp.
  * x < -87 gives exactly 0. */
