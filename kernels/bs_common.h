@@ -93,6 +93,19 @@ BS_ALWAYS_INLINE void bs_reduce16x4(float *y, const bs_vf a[BS_G], const bs_vf b
 }
 #endif
 
+/* bs_reduce16x4 for rows `step` apart: the four sums to y[0], y[step],
+ * y[2 step], y[3 step] (tiles of a matvec's row or page step). */
+BS_ALWAYS_INLINE void bs_reduce16x4_step(float *y, size_t step, const bs_vf a[BS_G], const bs_vf b[BS_G],
+                                         const bs_vf c[BS_G], const bs_vf d[BS_G]) {
+    if (step == 1) {
+        bs_reduce16x4(y, a, b, c, d);
+        return;
+    }
+    float s4[4];
+    bs_reduce16x4(s4, a, b, c, d);
+    for (int k = 0; k < 4; ++k) y[(size_t)k * step] = s4[k];
+}
+
 /* Lane numbers 0..15, for masking a partial lane group. */
 static const float BS_LANE_INDEX[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 

@@ -413,13 +413,7 @@ fn matvec_row_step_is_not_combined_with_prefetch() {
 /// next group (bs_pf_dist with a span of MR times the step).
 #[test]
 fn matvec_page_step_is_consistent() {
-    let mut set = 0;
-    for isa in plan::ISAS {
-        let d = isa.desc();
-        if d.matvec_page_bytes == 0 {
-            continue;
-        }
-        set += 1;
+    for (_, d) in isas_setting("matvec_page_bytes", |d| d.matvec_page_bytes) {
         assert!(d.matvec_page_bytes.is_power_of_two(), "{}", d.name);
         assert_eq!(d.matvec_row_step, 1, "{}: both row steps set", d.name);
         assert!(
@@ -430,7 +424,6 @@ fn matvec_page_step_is_consistent() {
             d.matvec_page_bytes
         );
     }
-    assert!(set > 0, "no ISA sets matvec_page_bytes");
 }
 
 /// The FP4 tiles' own prefetch (`fp4_prefetch_ahead`, also taken by the
@@ -441,18 +434,26 @@ fn matvec_page_step_is_consistent() {
 /// together with `prefetch_ahead` (whose row-aware distances it replaces).
 #[test]
 fn fp4_prefetch_only_with_one_row_tiles() {
-    let mut set = 0;
-    for isa in plan::ISAS {
-        let d = isa.desc();
-        if d.fp4_prefetch_ahead == 0 {
-            continue;
-        }
-        set += 1;
+    for (isa, d) in isas_setting("fp4_prefetch_ahead", |d| d.fp4_prefetch_ahead) {
         assert_eq!(d.prefetch_ahead, 0, "{}: both prefetches set", d.name);
         for op in [plan::Op::Matvec, plan::Op::Matmul] {
             let t = isa.tile(op, plan::Format::Fp4);
             assert_eq!(t.rows, 1, "{}: {op:?} FP4 tile of {} rows", d.name, t.rows);
         }
     }
-    assert!(set > 0, "no ISA sets fp4_prefetch_ahead");
+}
+
+/// The ISAs whose descriptor sets `field` (nonzero); at least one must, or
+/// the test checking them checks nothing.
+fn isas_setting(
+    field: &str,
+    get: impl Fn(&plan::IsaDesc) -> usize,
+) -> Vec<(plan::Isa, plan::IsaDesc)> {
+    let set: Vec<_> = plan::ISAS
+        .iter()
+        .map(|&isa| (isa, isa.desc()))
+        .filter(|(_, d)| get(d) != 0)
+        .collect();
+    assert!(!set.is_empty(), "no ISA sets {field}");
+    set
 }
