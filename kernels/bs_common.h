@@ -11,6 +11,11 @@
 
 #define BS_ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* Unroll the loop that follows n times, no more (GCC's pragma, which clang
+ * also takes). */
+#define BS_PRAGMA(x) _Pragma(#x)
+#define BS_UNROLL(n) BS_PRAGMA(GCC unroll n)
+
 /* How far past a tile row's current position (pos bytes into a row of
  * row_bytes) to prefetch, for tiles whose row i is `span` rows on from the
  * previous tile's row i (MR, or MR times the row step for tiles of rows a
