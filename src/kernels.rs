@@ -1669,9 +1669,9 @@ mod tests {
                         1 => {
                             let mut k = vec![0usize; threads];
                             while k.iter().any(|&k| k < threads) {
-                                for t in 0..threads {
-                                    while k[t] < threads && !take(t, k[t]) {
-                                        k[t] += 1;
+                                for (t, kt) in k.iter_mut().enumerate() {
+                                    while *kt < threads && !take(t, *kt) {
+                                        *kt += 1;
                                     }
                                 }
                             }
