@@ -422,7 +422,7 @@ fn decode_chunk_rows(rows: usize, threads: usize) -> usize {
 /// leaves its rows to the others and a thread out of work waits for at
 /// most a unit of another's. Each thread so reads one stretch of the matrix
 /// front to back: on the Intel Xeon VM, 2 threads, a C harness over 1 GiB
-/// of copies of the generated FP8 and FP4 matvecs gave 4-9 points more of
+/// of copies of the generated FP8 and FP4 matvecs gave 3-15 points more of
 /// the read bandwidth than whole chunks taken in turn from one counter, the
 /// threads side by side (which re-started the prefetchers at every chunk).
 struct DecodeSplit {
@@ -443,6 +443,26 @@ impl DecodeSplit {
             per: (chunk / unit).max(1),
             rows,
             ends: (0..=threads).map(|t| t * units / threads).collect(),
+        }
+    }
+
+    /// One counter a region, each at the region's first unit.
+    fn counters(&self) -> Vec<AtomicUsize> {
+        let regions = self.ends.len() - 1;
+        self.ends[..regions]
+            .iter()
+            .map(|&u| AtomicUsize::new(u))
+            .collect()
+    }
+
+    /// Thread t's share: its own region, then what is left of the others'.
+    fn drain(&self, next: &[AtomicUsize], t: usize, mut f: impl FnMut(usize, usize)) {
+        let regions = next.len();
+        for k in 0..regions {
+            let region = (t + k) % regions;
+            while let Some((r0, r1)) = self.claim(&next[region], region, k == 0) {
+                f(r0, r1);
+            }
         }
     }
 
@@ -1439,18 +1459,10 @@ impl Kernels {
         use rayon::prelude::*;
         if tokens == 1 {
             let split = DecodeSplit::new(rows, threads);
-            let next: Vec<AtomicUsize> = split.ends[..threads]
-                .iter()
-                .map(|&u| AtomicUsize::new(u))
-                .collect();
-            (0..threads).into_par_iter().for_each(|t| {
-                for k in 0..threads {
-                    let region = (t + k) % threads;
-                    while let Some((r0, r1)) = split.claim(&next[region], region, k == 0) {
-                        f(r0, r1);
-                    }
-                }
-            });
+            let next = split.counters();
+            (0..threads)
+                .into_par_iter()
+                .for_each(|t| split.drain(&next, t, f));
             return;
         }
         let ranges = split(rows, threads * 4, 16);
@@ -1639,34 +1651,29 @@ mod tests {
                 // Several schedules: thread by thread; round robin, one claim
                 // each; and one thread doing everything, its own region first.
                 for schedule in 0..3 {
-                    let next: Vec<AtomicUsize> = split.ends[..threads]
-                        .iter()
-                        .map(|&u| AtomicUsize::new(u))
-                        .collect();
+                    let next = split.counters();
                     let mut seen = vec![0u8; rows];
-                    let mut take = |t: usize, k: usize| -> bool {
-                        let region = (t + k) % threads;
-                        match split.claim(&next[region], region, k == 0) {
-                            Some((r0, r1)) => {
-                                assert!(r0 < r1 && r1 <= rows, "{rows} rows: claimed {r0}..{r1}");
-                                assert_eq!(r0 % split.unit, 0);
-                                for s in &mut seen[r0..r1] {
-                                    *s += 1;
-                                }
-                                true
-                            }
-                            None => false,
+                    let mut mark = |r0: usize, r1: usize| {
+                        assert!(r0 < r1 && r1 <= rows, "{rows} rows: claimed {r0}..{r1}");
+                        assert_eq!(r0 % split.unit, 0);
+                        for s in &mut seen[r0..r1] {
+                            *s += 1;
                         }
                     };
                     match schedule {
                         0 => {
                             for t in 0..threads {
-                                for k in 0..threads {
-                                    while take(t, k) {}
-                                }
+                                split.drain(&next, t, &mut mark);
                             }
                         }
                         1 => {
+                            let mut take = |t: usize, k: usize| -> bool {
+                                let region = (t + k) % threads;
+                                split
+                                    .claim(&next[region], region, k == 0)
+                                    .map(|(r0, r1)| mark(r0, r1))
+                                    .is_some()
+                            };
                             let mut k = vec![0usize; threads];
                             while k.iter().any(|&k| k < threads) {
                                 for (t, kt) in k.iter_mut().enumerate() {
@@ -1676,12 +1683,7 @@ mod tests {
                                 }
                             }
                         }
-                        _ => {
-                            let t = threads / 2;
-                            for k in 0..threads {
-                                while take(t, k) {}
-                            }
-                        }
+                        _ => split.drain(&next, threads / 2, &mut mark),
                     }
                     assert!(
                         seen.iter().all(|&s| s == 1),
