@@ -635,6 +635,36 @@ fn matmul_token_slabs() {
     }
 }
 
+/// X anywhere: the F32 and BF16 kernels read X in place, so
+/// `Kernels::matvec_with` and `matmul_with` hand them a copy that starts on a
+/// cache line when X does not (and its rows are whole lines). X at every
+/// float offset from a line, 0 to 16, with rows of whole lines (64, 2048
+/// columns) and not (100): the same bits as the reference every time.
+#[test]
+fn x_off_a_cache_line() {
+    let _tally = FiniteTally::start();
+    let ks = runnable();
+    let mut rng = Rng(12);
+    for format in [Format::F32, Format::Bf16] {
+        for (rows, cols) in [(37, 64), (24, 2048), (19, 100)] {
+            let o = Owned::random(&mut rng, format, rows, cols);
+            for n in [1, 7] {
+                let x = rng.activations(n * cols);
+                let mut buf = vec![0f32; x.len() + 32];
+                let base = buf.as_ptr().align_offset(64);
+                for off in 0..=16 {
+                    let at = base + off;
+                    buf[at..at + x.len()].copy_from_slice(&x);
+                    check_matmul_with(&ks, &o, &buf[at..at + x.len()], n);
+                    if n == 1 {
+                        check_owned_with(&ks, &mut rng, &o, &buf[at..at + x.len()], &[]);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Matvec rows shorter than a page (AVX-512: rows of 512 B, 1 KiB and 2 KiB
 /// here) go in groups of MR x ps rows, ps = 4096 / row bytes, as ps tiles
 /// whose rows are ps apart (`IsaDesc::matvec_page_bytes`); 141 rows make two
