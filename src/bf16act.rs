@@ -16,6 +16,7 @@
 
 use crate::formats;
 use crate::kernels::KernelError;
+use crate::linevec::LineVec;
 
 /// Columns per chunk: one 64-byte vector of BF16 values.
 pub const CHUNK: usize = 32;
@@ -76,7 +77,7 @@ pub fn round(x: f32) -> u16 {
 /// [`Bf16X::pack_from`], so the fields always agree.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Bf16X {
-    pub(crate) h: Vec<u16>,
+    pub(crate) h: LineVec<u16>,
     pub(crate) n: usize,
     pub(crate) cols: usize,
 }
@@ -108,8 +109,7 @@ impl Bf16X {
     pub fn pack_from(&mut self, x: &[f32], n: usize, cols: usize) -> Result<(), KernelError> {
         check_activations("bf16dot", x, n, cols)?;
         let xs = stride(cols);
-        self.h.clear();
-        self.h.resize(n * xs, 0);
+        self.h.reset(n * xs);
         if cols > 0 {
             let pack = |(xt, ht): (&[f32], &mut [u16])| {
                 for (h, &v) in ht.iter_mut().zip(xt) {
@@ -173,7 +173,7 @@ const AMX_BLOCK: usize = 256;
 /// `n`. Built only by [`AmxX::pack_from`].
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct AmxX {
-    pub(crate) b: Vec<u32>,
+    pub(crate) b: LineVec<u32>,
     pub(crate) n: usize,
     pub(crate) cols: usize,
 }
@@ -208,8 +208,7 @@ impl AmxX {
         check_activations("amx", x, n, cols)?;
         let len = Self::len_for(n, cols)
             .ok_or_else(|| KernelError::Shape("amx: packed activations overflow".into()))?;
-        self.b.clear();
-        self.b.resize(len, 0);
+        self.b.reset(len);
         let nk = cols.div_ceil(CHUNK);
         let group = AMX_BLOCK * nk;
         if cols > 0 && n > 0 {

@@ -3,6 +3,7 @@
 //! calling C, split rows across threads, and pick specialised or generic.
 
 use crate::bf16act::{AmxX, Bf16Act, Bf16X};
+use crate::linevec::{LineVec, LINE};
 use crate::plan::{AttnShape, Format, Isa};
 use crate::q8::{Fp4Act, Q8Act};
 use std::ffi::c_void;
@@ -486,42 +487,29 @@ impl DecodeSplit {
 /// Below this many weight elements per call, threads cost more than they save.
 const PARALLEL_MIN_ELEMS: usize = 1 << 15;
 
-/// The alignment the f32-activation kernels want of X: a cache line.
-pub const X_ALIGN: usize = 64;
-
 /// Run `f` on X, or on a copy of it that starts on a cache line when X does
 /// not and the kernels read it in place (`direct`: the F32 and BF16
-/// formats; the FP8 and FP4 kernels permute X into buffers of their own).
-/// With `cols` a multiple of 16, every token's row then starts on a line and
-/// no 64-byte load of X straddles two. On an Intel Xeon VM (AVX-512, 1
-/// thread, 128 tokens) the BF16 matmul ran at 0.85-0.87 of its speed with X
-/// 16 bytes past a line, where a `Vec<f32>` from the system allocator
-/// usually starts; the copy costs one pass over X, under 1 % of a matmul.
-/// The copy goes into a buffer kept per thread; a nested call on the same
-/// thread (a rayon worker taking another task while it waits) finds it in
-/// use and copies into one of its own.
+/// formats; the FP8 and FP4 kernels permute X into buffers of their own or
+/// were level either way). With `cols` a multiple of 16, every token's row
+/// then starts on a line and no 64-byte load of X straddles two. On an
+/// Intel Xeon VM (AVX-512, 1 thread, 128 tokens) the BF16 matmul ran at
+/// 0.85-0.87 of its speed with X 16 bytes past a line, where a `Vec<f32>`
+/// from the system allocator usually starts; the copy costs one pass over
+/// X, under 1 % of a matmul. The copy goes into a buffer kept per thread; a
+/// nested call on the same thread (a rayon worker taking another task while
+/// it waits) finds it in use and copies into one of its own.
 fn with_aligned_x<R>(x: &[f32], cols: usize, direct: bool, f: impl FnOnce(&[f32]) -> R) -> R {
-    let aligned = (x.as_ptr() as usize) % X_ALIGN == 0;
-    if !direct || aligned || cols % (X_ALIGN / 4) != 0 || x.is_empty() {
+    let aligned = (x.as_ptr() as usize) % LINE == 0;
+    if !direct || aligned || cols % (LINE / 4) != 0 || x.is_empty() {
         return f(x);
     }
     thread_local! {
-        static XA: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+        static XA: std::cell::RefCell<LineVec<f32>> = std::cell::RefCell::new(LineVec::default());
     }
-    let run = |buf: &mut Vec<f32>| {
-        // Room for X from any of the first 16 floats, one of which starts a
-        // line (f32 is 4-aligned, so align_offset is at most 15 here).
-        if buf.len() < x.len() + X_ALIGN / 4 {
-            buf.resize(x.len() + X_ALIGN / 4, 0.0);
-        }
-        let off = buf.as_ptr().align_offset(X_ALIGN);
-        let xa = &mut buf[off..off + x.len()];
-        xa.copy_from_slice(x);
-        f(xa)
-    };
+    let run = |buf: &mut LineVec<f32>| f(buf.copy_of(x));
     XA.with(|b| match b.try_borrow_mut() {
         Ok(mut b) => run(&mut b),
-        Err(_) => run(&mut Vec::new()),
+        Err(_) => run(&mut LineVec::default()),
     })
 }
 
@@ -1688,15 +1676,15 @@ mod tests {
     #[test]
     fn x_is_handed_on_aligned() {
         let buf: Vec<f32> = (0..4096 + 64).map(|i| i as f32).collect();
-        let base = buf.as_ptr().align_offset(X_ALIGN);
+        let base = buf.as_ptr().align_offset(LINE);
         for off in 0..16 {
             let x = &buf[base + off..base + off + 2048];
             with_aligned_x(x, 64, true, |xa| {
-                assert_eq!(xa.as_ptr() as usize % X_ALIGN, 0, "offset {off}");
+                assert_eq!(xa.as_ptr() as usize % LINE, 0, "offset {off}");
                 assert_eq!(xa, x);
                 let inner = &buf[base + 1..base + 1 + 128];
                 with_aligned_x(inner, 16, true, |xb| {
-                    assert_eq!(xb.as_ptr() as usize % X_ALIGN, 0);
+                    assert_eq!(xb.as_ptr() as usize % LINE, 0);
                     assert_eq!(xb, inner);
                 });
                 // The outer copy is untouched by the inner one.

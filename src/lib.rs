@@ -16,6 +16,7 @@ pub mod generate;
 pub mod gpu;
 pub mod inspect;
 pub mod kernels;
+pub mod linevec;
 pub mod model;
 pub mod placement;
 #[path = "plan/mod.rs"]

@@ -12,6 +12,7 @@
 //! [`Q8Act::error_bound`] turns that into a bound on each output.
 
 use crate::kernels::KernelError;
+use crate::linevec::LineVec;
 
 /// Columns per activation block (the FP4 scale block).
 pub const BLOCK: usize = 32;
@@ -40,13 +41,13 @@ impl Fp4Act {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Q8Act {
     /// [cols]: per block, the quantized even columns, then the odd ones.
-    pub(crate) q: Vec<i8>,
+    pub(crate) q: LineVec<i8>,
     /// [cols / 32]: the scale d_b of each block (NaN when the block holds a
     /// NaN or infinity: every output that reads it is then NaN).
-    pub(crate) d: Vec<f32>,
+    pub(crate) d: LineVec<f32>,
     /// [cols / 32]: each block's sum of q (the x86 kernels offset the
     /// weights to unsigned and take the offset back with it).
-    pub(crate) sum: Vec<i32>,
+    pub(crate) sum: LineVec<i32>,
 }
 
 impl Q8Act {
@@ -77,9 +78,9 @@ impl Q8Act {
                 x.len()
             )));
         }
-        self.q.resize(x.len(), 0);
-        self.d.resize(x.len() / BLOCK, 0.0);
-        self.sum.resize(x.len() / BLOCK, 0);
+        self.q.reset(x.len());
+        self.d.reset(x.len() / BLOCK);
+        self.sum.reset(x.len() / BLOCK);
         for ((xb, qb), d) in x
             .chunks_exact(BLOCK)
             .zip(self.q.chunks_exact_mut(BLOCK))
@@ -167,7 +168,7 @@ mod tests {
     fn layout_and_rounding() {
         let x: Vec<f32> = (0..64).map(|i| i as f32 - 20.0).collect();
         let a = Q8Act::quantize(&x).unwrap();
-        assert_eq!(a.d, vec![20.0 / 127.0, 43.0 / 127.0]);
+        assert_eq!(*a.d, [20.0 / 127.0, 43.0 / 127.0]);
         // even columns first, then odd ones; the block's largest value is ±127
         assert_eq!(a.q[0], -127);
         assert_eq!(a.q[16], (-19.0f64 / (20.0f64 / 127.0)).round() as i8);
