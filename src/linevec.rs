@@ -30,27 +30,29 @@ impl<T: Copy + Default> LineVec<T> {
         LINE / std::mem::size_of::<T>().max(1)
     }
 
+    /// Empty, with room for `len` elements after a start on a line (the
+    /// defaults before it pushed). Nothing pushed after this moves the
+    /// buffer, so the offset stays right.
+    fn start(&mut self, len: usize) {
+        self.buf.clear();
+        self.buf.reserve(len + Self::pad());
+        let off = self.buf.as_ptr().align_offset(LINE);
+        self.off = if off < Self::pad() { off } else { 0 };
+        self.buf.resize(self.off, T::default());
+        self.len = len;
+    }
+
     /// `len` elements, all `T::default()` (the old contents are dropped; the
     /// memory is kept for the next call).
     pub fn reset(&mut self, len: usize) {
-        self.buf.clear();
-        self.buf.resize(len + Self::pad(), T::default());
-        let off = self.buf.as_ptr().align_offset(LINE);
-        self.off = if off < Self::pad() { off } else { 0 };
-        self.len = len;
+        self.start(len);
+        self.buf.resize(self.off + len, T::default());
     }
 
     /// A copy of `x`, on a line (written once: no zeroing first).
     pub fn copy_of(&mut self, x: &[T]) -> &[T] {
-        self.buf.clear();
-        // With the room reserved first, the pushes below cannot move the
-        // buffer, so the offset found now stays right.
-        self.buf.reserve(x.len() + Self::pad());
-        let off = self.buf.as_ptr().align_offset(LINE);
-        self.off = if off < Self::pad() { off } else { 0 };
-        self.buf.resize(self.off, T::default());
+        self.start(x.len());
         self.buf.extend_from_slice(x);
-        self.len = x.len();
         self
     }
 }

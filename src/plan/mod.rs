@@ -463,7 +463,7 @@ impl Isa {
             // 4 × 5 and 4 × 7 were level with it or below, tiles of 2 or 3
             // rows (3 × 8, 2 × 12, 3 × 6) 0.64-0.80x. Again with X on a
             // cache line (three rounds, 128 tokens, weights past the L3):
-            // 4 × 7 0.94-0.99x, 5 × 5 0.91-0.95x, 3 × 8 0.66-0.72x, 2 × 12
+            // 4 × 7 0.94-0.99x, 5 × 5 0.91-0.95x, 3 × 8 0.67-0.72x, 2 × 12
             // 0.63-0.69x, so the loads of X, not the conversions, bound it.
             (Isa::Avx512, _, false) => t(4, 6),
             (Isa::Avx512, _, true) => t(2, 4),
