@@ -279,6 +279,16 @@ pub struct Matrix<'a> {
     weights: Weights<'a>,
 }
 
+/// A row range r0..r1 of a matrix with `rows` rows.
+fn check_range(r0: usize, r1: usize, rows: usize) -> Result<(), KernelError> {
+    if r0 > r1 || r1 > rows {
+        return Err(KernelError::Shape(format!(
+            "row range {r0}..{r1} outside 0..{rows}"
+        )));
+    }
+    Ok(())
+}
+
 fn check_len(what: &str, expected: usize, found: usize) -> Result<(), KernelError> {
     if expected != found {
         return Err(KernelError::Length {
@@ -1120,6 +1130,38 @@ impl Kernels {
         x: &Q8Act,
         y: &mut [f32],
     ) -> Result<(), KernelError> {
+        let run = self.q8_runner(k, m, x, y)?;
+        self.par_rows(m.rows, m.cols, 1, run);
+        Ok(())
+    }
+
+    /// Rows r0..r1 of the fp4×q8 y = W x only, on the calling thread (tests
+    /// of how a kernel walks a range; callers that split rows themselves).
+    pub fn matvec_q8_rows_with(
+        &self,
+        k: &Q8Kernel,
+        m: &Matrix,
+        x: &Q8Act,
+        y: &mut [f32],
+        r0: usize,
+        r1: usize,
+    ) -> Result<(), KernelError> {
+        check_range(r0, r1, m.rows)?;
+        let run = self.q8_runner(k, m, x, y)?;
+        run(r0, r1);
+        Ok(())
+    }
+
+    /// Checks an fp4×q8 call (weights, kernel, lengths) and returns what
+    /// runs rows r0..r1 of it (0 <= r0 <= r1 <= rows; disjoint ranges may
+    /// run at once). The runner holds y's borrow for as long as it lives.
+    fn q8_runner<'y>(
+        &self,
+        k: &Q8Kernel,
+        m: &'y Matrix<'_>,
+        x: &'y Q8Act,
+        y: &'y mut [f32],
+    ) -> Result<impl Fn(usize, usize) + Send + Sync + Copy + 'y, KernelError> {
         let Weights::Fp4 { w, scale } = m.weights else {
             return Err(KernelError::Shape(format!(
                 "the fp4×q8 kernels take FP4 weights, not {}",
@@ -1159,17 +1201,18 @@ impl Kernels {
             SendPtr(y.as_mut_ptr()),
         );
         let f = k.f;
-        let run = move |r0: usize, r1: usize| {
+        Ok(move |r0: usize, r1: usize| {
             let (wp, sp, qp, dp, cp, yp) = (wp, sp, qp, dp, cp, yp);
+            assert!(r0 <= r1 && r1 <= rows, "fp4×q8 row range {r0}..{r1} outside 0..{rows}");
             // SAFETY: Matrix::new checked w (rows×cols/2 bytes) and scale
             // (rows×cols/32) and that cols is a multiple of 32; xq has cols
             // and xd and xs cols/32 elements, y rows (checked above); the
-            // kernel's shape matches; 0 <= r0 <= r1 <= rows and concurrent
-            // calls write disjoint rows of y.
+            // runner borrows m, x and y for its whole life; the kernel's
+            // shape matches;
+            // 0 <= r0 <= r1 <= rows (asserted) and concurrent calls write
+            // disjoint rows of y.
             unsafe { f(wp.0, sp.0, qp.0, dp.0, cp.0, yp.0, rows, cols, r0, r1) }
-        };
-        self.par_rows(rows, cols, 1, run);
-        Ok(())
+        })
     }
 
     /// Y = W X through the fp4×q8 kernels, one token at a time.
@@ -1452,12 +1495,7 @@ impl Kernels {
         self.check_kernel(k, m)?;
         check_len("matvec input x", m.cols, x.len())?;
         check_len("matvec output y", m.rows, y.len())?;
-        if r0 > r1 || r1 > m.rows {
-            return Err(KernelError::Shape(format!(
-                "row range {r0}..{r1} outside 0..{}",
-                m.rows
-            )));
-        }
+        check_range(r0, r1, m.rows)?;
         let (w, s) = m.ptrs();
         // SAFETY: lengths checked as in matvec_with and r0 <= r1 <= rows.
         unsafe { (k.matvec)(w, s, x.as_ptr(), y.as_mut_ptr(), m.rows, m.cols, r0, r1) };

@@ -1236,6 +1236,57 @@ fn fp4_q8_matches_its_reference() {
     eprintln!("fp4×q8 kernels checked: {}", names.join(", "));
 }
 
+/// The fp4×q8 kernels take their rows several at a time, one from each part
+/// of the range they are given (IsaDesc::q8_rows), the rest one by one: on
+/// ranges that start past 0, that do and do not split evenly and that are
+/// shorter than one row per part, every row of the range is its reference's
+/// bits and no row outside it is written.
+#[test]
+fn fp4_q8_row_ranges() {
+    let ks = runnable();
+    let mut rng = Rng(13);
+    // 8-block steps with a tail (AVX2, scalar), 16-block steps with an
+    // 8-block step and a tail (AVX-512), and a whole 16-block row
+    for (rows, cols) in [(141, 32 * 11), (67, 32 * 27), (40, 512)] {
+        let o = Owned::random(&mut rng, Format::Fp4, rows, cols);
+        let m = o.matrix();
+        let x = rng.activations(cols);
+        let a = Q8Act::quantize(&x).unwrap();
+        let want: Vec<f32> = (0..rows)
+            .map(|r| reference::q8_row_dot(&m, r, &a).unwrap())
+            .collect();
+        let ranges = [(0, rows), (3, rows - 2), (5, 6), (9, 12), (2, 7), (11, 11 + 4 * 6 + 3)];
+        for k in &ks {
+            let kern = k.q8_kernel_generic();
+            for &(r0, r1) in &ranges {
+                let mut y = vec![f32::NAN; rows];
+                k.matvec_q8_rows_with(kern, &m, &a, &mut y, r0, r1).unwrap();
+                for r in r0..r1 {
+                    assert!(
+                        common::same(y[r], want[r]),
+                        "{} fp4×q8 {rows}x{cols} rows {r0}..{r1}: row {r}: kernel {:e}, reference {:e}",
+                        k.isa(),
+                        y[r],
+                        want[r]
+                    );
+                }
+                let outside = (0..r0).chain(r1..rows).find(|&r| !y[r].is_nan());
+                assert!(
+                    outside.is_none(),
+                    "{} fp4×q8 {rows}x{cols} rows {r0}..{r1} wrote row {outside:?}",
+                    k.isa()
+                );
+            }
+            let mut y = vec![f32::NAN; rows];
+            let e = k
+                .matvec_q8_rows_with(kern, &m, &a, &mut y, 4, rows + 1)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("row range 4..") && e.contains("outside"), "{e}");
+        }
+    }
+}
+
 /// The fp4×q8 variant stays within its stated error bound of the f32 kernels
 /// (finite, moderate scales; activations like a hidden state).
 #[test]

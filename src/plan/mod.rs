@@ -275,6 +275,19 @@ pub struct IsaDesc {
     /// chains' latency again). Not measured on a CPU whose best variant
     /// is AVX2.
     pub bf16_one_row_cols: usize,
+    /// How many rows the fp4×q8 kernel computes side by side, one from each
+    /// part of its call's range (the rows split into this many equal parts;
+    /// what is left over one at a time): a row is one sequential stream, and
+    /// a core reading one stream left the read short. On an Intel Xeon VM
+    /// (Granite Rapids class), 2 GiB of copies of the Flash expert matrices
+    /// streamed through the generated kernels in one C program at 1 and 2
+    /// threads, whole regions and 128- and 32-row calls, variants alternated,
+    /// same bits: AVX-512 81-89 % of the plain read with one row, 97-112 % with
+    /// four (two parts 90-101 %, two adjacent rows 76-83 %), cache-resident
+    /// level or better; AVX2 76-82 % with one, 81-102 % with two, 75-100 %
+    /// with four and cache-resident 0.92-0.95x with four (its 16 registers),
+    /// level with two. 1 where not measured.
+    pub q8_rows: usize,
     /// Dispatch preference: higher wins among supported variants.
     pub score: u32,
 }
@@ -304,6 +317,7 @@ impl Isa {
                 matvec_page_bytes: 0,
                 bf16_line: false,
                 bf16_one_row_cols: 0,
+                q8_rows: 1,
                 score: 1,
             },
             Isa::Avx2 => IsaDesc {
@@ -332,6 +346,7 @@ impl Isa {
                 matvec_page_bytes: 0,
                 bf16_line: false,
                 bf16_one_row_cols: 2048,
+                q8_rows: 2,
                 score: 20,
             },
             Isa::Avx512 => IsaDesc {
@@ -380,6 +395,7 @@ impl Isa {
                 matvec_page_bytes: 4096,
                 bf16_line: true,
                 bf16_one_row_cols: 2048,
+                q8_rows: 4,
                 score: 30,
             },
             Isa::Neon => IsaDesc {
@@ -404,6 +420,7 @@ impl Isa {
                 matvec_page_bytes: 0,
                 bf16_line: false,
                 bf16_one_row_cols: 0,
+                q8_rows: 1,
                 score: 20,
             },
             // The same kernels as neon, compiled without the preset's flags.
