@@ -1203,7 +1203,10 @@ impl Kernels {
         let f = k.f;
         Ok(move |r0: usize, r1: usize| {
             let (wp, sp, qp, dp, cp, yp) = (wp, sp, qp, dp, cp, yp);
-            assert!(r0 <= r1 && r1 <= rows, "fp4×q8 row range {r0}..{r1} outside 0..{rows}");
+            assert!(
+                r0 <= r1 && r1 <= rows,
+                "fp4×q8 row range {r0}..{r1} outside 0..{rows}"
+            );
             // SAFETY: Matrix::new checked w (rows×cols/2 bytes) and scale
             // (rows×cols/32) and that cols is a multiple of 32; xq has cols
             // and xd and xs cols/32 elements, y rows (checked above); the

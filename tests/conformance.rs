@@ -1255,7 +1255,14 @@ fn fp4_q8_row_ranges() {
         let want: Vec<f32> = (0..rows)
             .map(|r| reference::q8_row_dot(&m, r, &a).unwrap())
             .collect();
-        let ranges = [(0, rows), (3, rows - 2), (5, 6), (9, 12), (2, 7), (11, 11 + 4 * 6 + 3)];
+        let ranges = [
+            (0, rows),
+            (3, rows - 2),
+            (5, 6),
+            (9, 12),
+            (2, 7),
+            (11, 11 + 4 * 6 + 3),
+        ];
         for k in &ks {
             let kern = k.q8_kernel_generic();
             for &(r0, r1) in &ranges {
