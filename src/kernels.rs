@@ -279,16 +279,6 @@ pub struct Matrix<'a> {
     weights: Weights<'a>,
 }
 
-/// A row range r0..r1 of a matrix with `rows` rows.
-fn check_range(r0: usize, r1: usize, rows: usize) -> Result<(), KernelError> {
-    if r0 > r1 || r1 > rows {
-        return Err(KernelError::Shape(format!(
-            "row range {r0}..{r1} outside 0..{rows}"
-        )));
-    }
-    Ok(())
-}
-
 fn check_len(what: &str, expected: usize, found: usize) -> Result<(), KernelError> {
     if expected != found {
         return Err(KernelError::Length {
@@ -1146,7 +1136,7 @@ impl Kernels {
         r0: usize,
         r1: usize,
     ) -> Result<(), KernelError> {
-        check_range(r0, r1, m.rows)?;
+        check_row_range(r0, r1, m.rows)?;
         let run = self.q8_runner(k, m, x, y)?;
         run(r0, r1);
         Ok(())
@@ -1498,7 +1488,7 @@ impl Kernels {
         self.check_kernel(k, m)?;
         check_len("matvec input x", m.cols, x.len())?;
         check_len("matvec output y", m.rows, y.len())?;
-        check_range(r0, r1, m.rows)?;
+        check_row_range(r0, r1, m.rows)?;
         let (w, s) = m.ptrs();
         // SAFETY: lengths checked as in matvec_with and r0 <= r1 <= rows.
         unsafe { (k.matvec)(w, s, x.as_ptr(), y.as_mut_ptr(), m.rows, m.cols, r0, r1) };
