@@ -1201,9 +1201,8 @@ impl Kernels {
             // (rows×cols/32) and that cols is a multiple of 32; xq has cols
             // and xd and xs cols/32 elements, y rows (checked above); the
             // runner borrows m, x and y for its whole life; the kernel's
-            // shape matches;
-            // 0 <= r0 <= r1 <= rows (asserted) and concurrent calls write
-            // disjoint rows of y.
+            // shape matches; 0 <= r0 <= r1 <= rows (asserted) and
+            // concurrent calls write disjoint rows of y.
             unsafe { f(wp.0, sp.0, qp.0, dp.0, cp.0, yp.0, rows, cols, r0, r1) }
         })
     }

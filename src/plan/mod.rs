@@ -282,7 +282,7 @@ pub struct IsaDesc {
     /// (Granite Rapids class), 2 GiB of copies of the Flash expert matrices
     /// streamed through the generated kernels in one C program at 1 and 2
     /// threads, whole regions and 128- and 32-row calls, variants alternated,
-    /// same bits: AVX-512 81-89 % of the plain read with one row, 97-112 % with
+    /// same bits: AVX-512 81-89 % of the plain read with one row, 98-112 % with
     /// four (two parts 90-101 %, two adjacent rows 76-83 %), cache-resident
     /// level or better; AVX2 76-82 % with one, 81-102 % with two, 75-100 %
     /// with four and cache-resident 0.92-0.95x with four (its 16 registers),
