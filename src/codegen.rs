@@ -61,6 +61,14 @@ struct ShapeCtx {
     matmul: String,
 }
 
+/// The symbols of one ISA and format's x preparation (see
+/// `kernels::Prepared`): its length and preparing functions.
+#[derive(Serialize, Clone)]
+struct PrepCtx {
+    len: String,
+    prep: String,
+}
+
 #[derive(Serialize)]
 struct FmtCtx {
     name: &'static str,
@@ -259,6 +267,14 @@ fn rest_tiles(isa: Isa, f: Format) -> Vec<usize> {
     }
 }
 
+/// Whether the matvec of `f` on this ISA puts x in an order or scale of
+/// its own first (FP4 and FP8 always, BF16 where the ISA decodes it into a
+/// permuted lane order): those get the prepared-x entry points
+/// (templates/matmul.c.tera, `xprep`).
+fn prepares_x(f: Format, desc: &plan::IsaDesc) -> bool {
+    matches!(f, Format::Fp4 | Format::Fp8) || desc.permuted.contains(&f.name())
+}
+
 pub fn build() -> BuildResult<()> {
     let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR").map_err(|e| e.to_string())?);
     let out = PathBuf::from(env::var("OUT_DIR").map_err(|e| e.to_string())?);
@@ -367,6 +383,8 @@ pub fn build() -> BuildResult<()> {
     };
 
     let mut mat_fns = Vec::new();
+    let mut px_fns = Vec::new();
+    let mut prep_fns = Vec::new();
     let mut attn_fns = Vec::new();
     let mut sources: Vec<(Isa, PathBuf)> = Vec::new();
     let mut table = String::new();
@@ -410,6 +428,15 @@ pub fn build() -> BuildResult<()> {
                     matmul: plan::mat_symbol(Op::Matmul, f, isa, Some(s)),
                 })
                 .collect();
+            let xprep = prepares_x(f, &desc).then(|| PrepCtx {
+                len: format!("bs_xprep_len_{}_{}", f.name(), isa.name()),
+                prep: format!("bs_xprep_{}_{}", f.name(), isa.name()),
+            });
+            if compiled {
+                if let Some(p) = &xprep {
+                    prep_fns.push(p.clone());
+                }
+            }
             for s in std::iter::once(&generic).chain(shape_ctx.iter()) {
                 if !compiled {
                     continue;
@@ -427,13 +454,27 @@ pub fn build() -> BuildResult<()> {
                 } else {
                     format!("Some(({}, {}))", s.rows, s.cols)
                 };
+                let prepared = match &xprep {
+                    Some(p) => {
+                        px_fns.push(FnDecl {
+                            op: "matvec_px",
+                            symbol: format!("{}_px", s.matvec),
+                        });
+                        format!(
+                            "Some(Prepared {{ len: ffi::{}, prep: ffi::{}, matvec: ffi::{}_px }})",
+                            p.len, p.prep, s.matvec
+                        )
+                    }
+                    None => "None".to_string(),
+                };
                 writeln!(
                     table,
-                    "    MatKernel {{ isa: Isa::{isa:?}, format: Format::{f:?}, shape: {shape}, matvec: ffi::{}, matmul: ffi::{} }},",
+                    "    MatKernel {{ isa: Isa::{isa:?}, format: Format::{f:?}, shape: {shape}, matvec: ffi::{}, matmul: ffi::{}, prepared: {prepared} }},",
                     s.matvec, s.matmul
                 )
                 .unwrap();
             }
+            ctx.insert("xprep", &xprep);
             ctx.insert("generic", &generic);
             ctx.insert("shapes", &shape_ctx);
             let path = gen.join(format!("mat_{}_{}.c", f.name(), isa.name()));
@@ -642,6 +683,8 @@ pub fn build() -> BuildResult<()> {
 
     let mut hctx = tera::Context::new();
     hctx.insert("mat_fns", &mat_fns);
+    hctx.insert("px_fns", &px_fns);
+    hctx.insert("prep_fns", &prep_fns);
     hctx.insert("attn_fns", &attn_fns);
     hctx.insert("q8_fns", &q8_fns);
     hctx.insert("bf16dot_fns", &bf16dot_fns);

@@ -6,7 +6,7 @@ use crate::bf16act::{AmxX, Bf16Act, Bf16X};
 use crate::linevec::{LineVec, LINE};
 use crate::plan::{AttnShape, Format, Isa};
 use crate::q8::{Fp4Act, Q8Act};
-use std::ffi::c_void;
+use std::ffi::{c_int, c_void};
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -43,6 +43,32 @@ pub type MatmulFn = unsafe extern "C" fn(
     usize,
     usize,
 );
+pub type MatvecPxFn = unsafe extern "C" fn(
+    *const c_void,
+    *const u8,
+    *const f32,
+    c_int,
+    *mut f32,
+    usize,
+    usize,
+    usize,
+    usize,
+);
+
+/// The matvec of a format whose kernels put x in an order (and scale) of
+/// their own first, with that preparation split off: `len(cols)` floats of
+/// prepared x (0: these columns take x as it is, through `MatKernel::matvec`),
+/// which `prep(x, cols, xp)` writes, returning a flag; then any number of
+/// `matvec(w, scale, xp, flag, y, rows, cols, r0, r1)` calls over parts of
+/// the rows. The same bits as `MatKernel::matvec`, which prepares its own
+/// copy of x on every call: decode's threads make 8 to 40 calls a product.
+#[derive(Clone, Copy)]
+pub struct Prepared {
+    pub len: unsafe extern "C" fn(usize) -> usize,
+    pub prep: unsafe extern "C" fn(*const f32, usize, *mut f32) -> c_int,
+    pub matvec: MatvecPxFn,
+}
+
 pub type AttnFn = unsafe extern "C" fn(
     *const f32,
     *const f32,
@@ -70,6 +96,9 @@ pub struct MatKernel {
     pub shape: Option<(usize, usize)>,
     pub matvec: MatvecFn,
     pub matmul: MatmulFn,
+    /// The matvec with x prepared once a product (FP4, FP8, and BF16 where
+    /// the ISA permutes x), which `Kernels::matvec_with` uses.
+    pub prepared: Option<Prepared>,
 }
 
 pub type Q8Fn = unsafe extern "C" fn(
@@ -503,13 +532,19 @@ fn with_aligned_x<R>(x: &[f32], cols: usize, direct: bool, f: impl FnOnce(&[f32]
     if !direct || aligned || cols % (LINE / 4) != 0 || x.is_empty() {
         return f(x);
     }
+    with_x_buf(|buf| f(buf.copy_of(x)))
+}
+
+/// Run `f` with this thread's buffer for a copy of x (kept from call to
+/// call); a nested call on the same thread (a rayon worker taking another
+/// task while it waits) finds it in use and gets one of its own.
+fn with_x_buf<R>(f: impl FnOnce(&mut LineVec<f32>) -> R) -> R {
     thread_local! {
         static XA: std::cell::RefCell<LineVec<f32>> = std::cell::RefCell::new(LineVec::default());
     }
-    let run = |buf: &mut LineVec<f32>| f(buf.copy_of(x));
     XA.with(|b| match b.try_borrow_mut() {
-        Ok(mut b) => run(&mut b),
-        Err(_) => run(&mut LineVec::default()),
+        Ok(mut b) => f(&mut b),
+        Err(_) => f(&mut LineVec::default()),
     })
 }
 
@@ -1388,6 +1423,13 @@ impl Kernels {
     ) -> Result<(), KernelError> {
         check_len("matvec input x", m.cols, x.len())?;
         check_len("matvec output y", m.rows, y.len())?;
+        if let Some(p) = k.prepared {
+            // SAFETY: a pure function of its argument.
+            let len = unsafe { (p.len)(m.cols) };
+            if len > 0 {
+                return self.matvec_prepared(k, p, len, m, x, y);
+            }
+        }
         let f = k.matvec;
         // SAFETY (of the call below): run_rows checked the kernel against the
         // matrix; Matrix::new checked the weight and scale lengths for
@@ -1401,6 +1443,48 @@ impl Kernels {
             1,
             move |w, s, x, y, rows, cols, r0, r1| unsafe { f(w, s, x, y, rows, cols, r0, r1) },
         )
+    }
+
+    /// y = W x through the kernel's `Prepared` matvec: x prepared once on
+    /// this thread into `len` floats, then the rows split as `run_rows`
+    /// splits them. The caller has checked x and y.
+    fn matvec_prepared(
+        &self,
+        k: &MatKernel,
+        p: Prepared,
+        len: usize,
+        m: &Matrix,
+        x: &[f32],
+        y: &mut [f32],
+    ) -> Result<(), KernelError> {
+        self.check_kernel(k, m)?;
+        let (w, s) = m.ptrs();
+        let (rows, cols) = (m.rows, m.cols);
+        with_x_buf(|xp| {
+            xp.reset(len);
+            // SAFETY: x has cols elements (checked by the caller) and xp the
+            // len = p.len(cols) floats prep writes.
+            let flag = unsafe { (p.prep)(x.as_ptr(), cols, xp.as_mut_ptr()) };
+            let (w, s, xp, yp) = (
+                SendPtr(w),
+                SendPtr(s),
+                SendPtr(xp.as_ptr()),
+                SendPtr(y.as_mut_ptr()),
+            );
+            let f = p.matvec;
+            let run = move |r0: usize, r1: usize| {
+                let (w, s, xp, yp) = (w, s, xp, yp);
+                // SAFETY: check_kernel checked the kernel against the matrix
+                // and Matrix::new the weight and scale lengths for rows×cols;
+                // xp holds x prepared by this kernel's prep with its flag,
+                // and outlives the calls (par_rows returns after them); y
+                // has rows elements; par_rows gives 0 <= r0 <= r1 <= rows
+                // and concurrent calls disjoint rows of y.
+                unsafe { f(w.0, s.0, xp.0, flag, yp.0, rows, cols, r0, r1) }
+            };
+            self.par_rows(rows, cols, 1, run);
+        });
+        Ok(())
     }
 
     /// Y = W X with a given kernel.

@@ -703,6 +703,53 @@ fn matvec_rows_in_page_groups() {
     }
 }
 
+/// FP4 and FP8 (and BF16 where the ISA permutes x) prepare x once a
+/// product (`MatKernel::prepared`), up to 16384 columns; `matvec_with` then
+/// runs the "_px" kernels over the threads' rows. Their bits are the plain
+/// matvec's, which prepares x itself, and the reference's, with x both in and
+/// out of the range the scaled tiles take (FP8: |x| < 256; FP4: no nonzero
+/// |x| below 2^-101), at 2 threads and on chunks that end short.
+#[test]
+fn prepared_x_matches_per_call() {
+    let _tally = FiniteTally::start();
+    let ks = runnable();
+    let mut rng = Rng(11);
+    let pool = bespoke::threads::pool(2);
+    for format in [Format::Fp4, Format::Fp8, Format::Bf16] {
+        for k in &ks {
+            let kern = k.mat_kernel_generic(format);
+            let Some(p) = kern.prepared else {
+                assert_eq!(format, Format::Bf16, "{} {format}: no prepared x", k.isa());
+                continue;
+            };
+            // SAFETY: a pure function of the column count.
+            let (short, wide) = unsafe { ((p.len)(4096), (p.len)(16384 + 128)) };
+            assert!(short >= 4096 && wide == 0, "{} {format}: lengths {short}, {wide}", k.isa());
+        }
+        let (rows, cols) = (330, 160);
+        let o = Owned::random(&mut rng, format, rows, cols);
+        let m = o.matrix();
+        for odd in [None, Some(300.0), Some(1e-35)] {
+            let mut x = rng.activations(cols);
+            if let Some(v) = odd {
+                x[cols / 3] = v;
+            }
+            let want = reference::matvec(&m, &x);
+            for k in &ks {
+                for (kind, kern) in kernels_for(k, &o) {
+                    let what = format!("{} {format} {kind} {odd:?}", k.isa());
+                    let mut y = vec![f32::NAN; rows];
+                    pool.install(|| k.matvec_with(kern, &m, &x, &mut y)).unwrap();
+                    let mut plain = vec![f32::NAN; rows];
+                    k.matvec_rows_with(kern, &m, &x, &mut plain, 0, rows).unwrap();
+                    assert!(first_diff(&y, &plain).is_none(), "{what}: prepared ≠ per call");
+                    assert!(first_diff(&y, &want).is_none(), "{what}: ≠ reference");
+                }
+            }
+        }
+    }
+}
+
 /// y, computed for rows r0..r1 only into a buffer of NaNs: those rows are
 /// `want`'s bits, and no other row was written.
 fn check_rows(what: &str, y: &[f32], want: &[f32], r0: usize, r1: usize) {
