@@ -1461,9 +1461,10 @@ impl Kernels {
         let (w, s) = m.ptrs();
         let (rows, cols) = (m.rows, m.cols);
         with_x_buf(|xp| {
-            xp.reset(len);
+            xp.scratch(len);
             // SAFETY: x has cols elements (checked by the caller) and xp the
-            // len = p.len(cols) floats prep writes.
+            // len = p.len(cols) floats prep writes (all the "_px" kernels
+            // read of them).
             let flag = unsafe { (p.prep)(x.as_ptr(), cols, xp.as_mut_ptr()) };
             let (w, s, xp, yp) = (
                 SendPtr(w),

@@ -49,6 +49,19 @@ impl<T: Copy + Default> LineVec<T> {
         self.buf.resize(self.off + len, T::default());
     }
 
+    /// `len` elements for a caller that writes the ones it reads: those
+    /// kept from before are left as they were (no pass over them), any new
+    /// ones are `T::default()`. Moves to a larger block, zeroed, only when
+    /// the buffer has no room.
+    pub fn scratch(&mut self, len: usize) {
+        if self.off + len > self.buf.capacity() || self.buf.len() < self.off {
+            self.reset(len);
+        } else {
+            self.buf.resize(self.off + len, T::default());
+            self.len = len;
+        }
+    }
+
     /// A copy of `x`, on a line (written once: no zeroing first).
     pub fn copy_of(&mut self, x: &[T]) -> &[T] {
         self.start(x.len());
@@ -99,6 +112,18 @@ mod tests {
                 assert_eq!(p % LINE, 0, "{len} elements");
             }
         }
+        // scratch keeps what is there, grows with defaults, stays on a line.
+        b.reset(8);
+        b[7] = 5.0;
+        let at = b.as_ptr();
+        b.scratch(4);
+        b.scratch(8);
+        assert_eq!((b.as_ptr(), b[3], b[7]), (at, 0.0, 0.0));
+        b[3] = 2.0;
+        b.scratch(6);
+        assert_eq!(b[3], 2.0);
+        b.scratch(5000);
+        assert_eq!((b.len(), b.as_ptr() as usize % LINE), (5000, 0));
         let x: Vec<f32> = (0..1000).map(|i| i as f32).collect();
         assert_eq!(b.copy_of(&x[3..]), &x[3..]);
         b[0] = -1.0;

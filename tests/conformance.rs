@@ -724,7 +724,11 @@ fn prepared_x_matches_per_call() {
             };
             // SAFETY: a pure function of the column count.
             let (short, wide) = unsafe { ((p.len)(4096), (p.len)(16384 + 128)) };
-            assert!(short >= 4096 && wide == 0, "{} {format}: lengths {short}, {wide}", k.isa());
+            assert!(
+                short >= 4096 && wide == 0,
+                "{} {format}: lengths {short}, {wide}",
+                k.isa()
+            );
         }
         let (rows, cols) = (330, 160);
         let o = Owned::random(&mut rng, format, rows, cols);
@@ -739,10 +743,15 @@ fn prepared_x_matches_per_call() {
                 for (kind, kern) in kernels_for(k, &o) {
                     let what = format!("{} {format} {kind} {odd:?}", k.isa());
                     let mut y = vec![f32::NAN; rows];
-                    pool.install(|| k.matvec_with(kern, &m, &x, &mut y)).unwrap();
+                    pool.install(|| k.matvec_with(kern, &m, &x, &mut y))
+                        .unwrap();
                     let mut plain = vec![f32::NAN; rows];
-                    k.matvec_rows_with(kern, &m, &x, &mut plain, 0, rows).unwrap();
-                    assert!(first_diff(&y, &plain).is_none(), "{what}: prepared ≠ per call");
+                    k.matvec_rows_with(kern, &m, &x, &mut plain, 0, rows)
+                        .unwrap();
+                    assert!(
+                        first_diff(&y, &plain).is_none(),
+                        "{what}: prepared ≠ per call"
+                    );
                     assert!(first_diff(&y, &want).is_none(), "{what}: ≠ reference");
                 }
             }
