@@ -1424,7 +1424,9 @@ impl Kernels {
     ) -> Result<(), KernelError> {
         check_len("matvec input x", m.cols, x.len())?;
         check_len("matvec output y", m.rows, y.len())?;
-        if let Some(p) = k.prepared {
+        // One call (one thread, or a matrix too small to share) prepares
+        // its own x at no extra cost, and small calls feel every step here.
+        if let Some(p) = k.prepared.filter(|_| self.shares_rows(m.rows, m.cols, 1)) {
             // SAFETY: a pure function of its argument.
             let len = unsafe { (p.len)(m.cols) };
             if len > 0 {
@@ -1596,12 +1598,11 @@ impl Kernels {
         tokens: usize,
         f: impl Fn(usize, usize) + Sync + Send + Copy,
     ) {
-        let threads = rayon::current_num_threads();
-        let work = rows.saturating_mul(cols).saturating_mul(tokens);
-        if threads <= 1 || work < PARALLEL_MIN_ELEMS || rows < 32 {
+        if !self.shares_rows(rows, cols, tokens) {
             f(0, rows);
             return;
         }
+        let threads = rayon::current_num_threads();
         use rayon::prelude::*;
         if tokens == 1 {
             let split = DecodeSplit::new(rows, threads);
@@ -1613,6 +1614,13 @@ impl Kernels {
         }
         let ranges = split(rows, threads * 4, 16);
         ranges.into_par_iter().for_each(|(r0, r1)| f(r0, r1));
+    }
+
+    /// Whether `par_rows` shares a rows × cols product met by `tokens`
+    /// tokens among the threads (else it makes one call).
+    fn shares_rows(&self, rows: usize, cols: usize, tokens: usize) -> bool {
+        let work = rows.saturating_mul(cols).saturating_mul(tokens);
+        rayon::current_num_threads() > 1 && work >= PARALLEL_MIN_ELEMS && rows >= 32
     }
 
     /// Attention for one query position; `out` is [n_heads, head_dim].
