@@ -460,9 +460,21 @@ pub fn build() -> BuildResult<()> {
                             op: "matvec_px",
                             symbol: format!("{}_px", s.matvec),
                         });
+                        // A specialised kernel's x preparation has its
+                        // column count baked in too.
+                        let prep = if s.rows == 0 {
+                            p.prep.clone()
+                        } else {
+                            let prep = format!("{}_prep", s.matvec);
+                            px_fns.push(FnDecl {
+                                op: "prep",
+                                symbol: prep.clone(),
+                            });
+                            prep
+                        };
                         format!(
-                            "Some(Prepared {{ len: ffi::{}, prep: ffi::{}, matvec: ffi::{}_px }})",
-                            p.len, p.prep, s.matvec
+                            "Some(Prepared {{ len: ffi::{}, prep: ffi::{prep}, matvec: ffi::{}_px }})",
+                            p.len, s.matvec
                         )
                     }
                     None => "None".to_string(),

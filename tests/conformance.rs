@@ -704,17 +704,20 @@ fn matvec_rows_in_page_groups() {
 }
 
 /// FP4 and FP8 (and BF16 where the ISA permutes x) prepare x once a
-/// product (`MatKernel::prepared`), up to 16384 columns; `matvec_with` then
-/// runs the "_px" kernels over the threads' rows. Their bits are the plain
-/// matvec's, which prepares x itself, and the reference's, with x both in and
-/// out of the range the scaled tiles take (FP8: |x| < 256; FP4: no nonzero
-/// |x| below 2^-101), at 2 threads and on chunks that end short.
+/// product (`MatKernel::prepared`), up to 16384 columns, where the threads
+/// share the rows; `matvec_with` then runs the "_px" kernels over the
+/// threads' claims. Their bits are the plain matvec's, which prepares x
+/// itself, and the reference's, with x both in and out of the range the
+/// scaled tiles take (FP8: |x| < 256; FP4: no nonzero |x| below 2^-101), at
+/// 2 threads; generic on an awkward shape, and specialised (with its own
+/// "_prep") on the build's shapes big enough to share, up to 8M weights.
 #[test]
 fn prepared_x_matches_per_call() {
     let _tally = FiniteTally::start();
     let ks = runnable();
     let mut rng = Rng(11);
     let pool = bespoke::threads::pool(2);
+    let mut shapes = 0;
     for format in [Format::Fp4, Format::Fp8, Format::Bf16] {
         for k in &ks {
             let kern = k.mat_kernel_generic(format);
@@ -730,33 +733,47 @@ fn prepared_x_matches_per_call() {
                 k.isa()
             );
         }
-        let (rows, cols) = (330, 160);
-        let o = Owned::random(&mut rng, format, rows, cols);
-        let m = o.matrix();
-        for odd in [None, Some(300.0), Some(1e-35)] {
-            let mut x = rng.activations(cols);
-            if let Some(v) = odd {
-                x[cols / 3] = v;
-            }
-            let want = reference::matvec(&m, &x);
-            for k in &ks {
-                for (kind, kern) in kernels_for(k, &o) {
-                    let what = format!("{} {format} {kind} {odd:?}", k.isa());
-                    let mut y = vec![f32::NAN; rows];
-                    pool.install(|| k.matvec_with(kern, &m, &x, &mut y))
-                        .unwrap();
-                    let mut plain = vec![f32::NAN; rows];
-                    k.matvec_rows_with(kern, &m, &x, &mut plain, 0, rows)
-                        .unwrap();
-                    assert!(
-                        first_diff(&y, &plain).is_none(),
-                        "{what}: prepared ≠ per call"
-                    );
-                    assert!(first_diff(&y, &want).is_none(), "{what}: ≠ reference");
+        let built = specialised_shapes(format)
+            .into_iter()
+            .filter(|&(r, c)| r >= 32 && r * c >= 1 << 15 && r * c <= 1 << 23);
+        for (rows, cols) in std::iter::once((330, 160)).chain(built) {
+            shapes += 1;
+            let o = Owned::random(&mut rng, format, rows, cols);
+            let m = o.matrix();
+            for odd in [None, Some(300.0), Some(1e-35)] {
+                let mut x = rng.activations(cols);
+                if let Some(v) = odd {
+                    x[cols / 3] = v;
+                }
+                let want = (rows == 330).then(|| reference::matvec(&m, &x));
+                for k in &ks {
+                    for (kind, kern) in kernels_for(k, &o) {
+                        let what = format!("{} {format} {kind} {rows}x{cols} {odd:?}", k.isa());
+                        let generic = k.mat_kernel_generic(format);
+                        assert_eq!(
+                            kern.prepared.is_some(),
+                            generic.prepared.is_some(),
+                            "{what}"
+                        );
+                        let mut y = vec![f32::NAN; rows];
+                        pool.install(|| k.matvec_with(kern, &m, &x, &mut y))
+                            .unwrap();
+                        let mut plain = vec![f32::NAN; rows];
+                        k.matvec_rows_with(kern, &m, &x, &mut plain, 0, rows)
+                            .unwrap();
+                        assert!(
+                            first_diff(&y, &plain).is_none(),
+                            "{what}: prepared ≠ per call"
+                        );
+                        if let Some(want) = &want {
+                            assert!(first_diff(&y, want).is_none(), "{what}: ≠ reference");
+                        }
+                    }
                 }
             }
         }
     }
+    eprintln!("prepared x: {shapes} shapes");
 }
 
 /// y, computed for rows r0..r1 only into a buffer of NaNs: those rows are
