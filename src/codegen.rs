@@ -63,7 +63,7 @@ struct ShapeCtx {
 
 /// The symbols of one ISA and format's x preparation (see
 /// `kernels::Prepared`): its length and preparing functions.
-#[derive(Serialize, Clone)]
+#[derive(Serialize)]
 struct PrepCtx {
     len: String,
     prep: String,
@@ -384,7 +384,6 @@ pub fn build() -> BuildResult<()> {
 
     let mut mat_fns = Vec::new();
     let mut px_fns = Vec::new();
-    let mut prep_fns = Vec::new();
     let mut attn_fns = Vec::new();
     let mut sources: Vec<(Isa, PathBuf)> = Vec::new();
     let mut table = String::new();
@@ -432,9 +431,12 @@ pub fn build() -> BuildResult<()> {
                 len: format!("bs_xprep_len_{}_{}", f.name(), isa.name()),
                 prep: format!("bs_xprep_{}_{}", f.name(), isa.name()),
             });
-            if compiled {
-                if let Some(p) = &xprep {
-                    prep_fns.push(p.clone());
+            if let Some(p) = xprep.as_ref().filter(|_| compiled) {
+                for (op, symbol) in [("len", &p.len), ("prep", &p.prep)] {
+                    px_fns.push(FnDecl {
+                        op,
+                        symbol: symbol.clone(),
+                    });
                 }
             }
             for s in std::iter::once(&generic).chain(shape_ctx.iter()) {
@@ -696,7 +698,6 @@ pub fn build() -> BuildResult<()> {
     let mut hctx = tera::Context::new();
     hctx.insert("mat_fns", &mat_fns);
     hctx.insert("px_fns", &px_fns);
-    hctx.insert("prep_fns", &prep_fns);
     hctx.insert("attn_fns", &attn_fns);
     hctx.insert("q8_fns", &q8_fns);
     hctx.insert("bf16dot_fns", &bf16dot_fns);

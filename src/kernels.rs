@@ -1460,35 +1460,27 @@ impl Kernels {
         x: &[f32],
         y: &mut [f32],
     ) -> Result<(), KernelError> {
-        self.check_kernel(k, m)?;
-        let (w, s) = m.ptrs();
-        let (rows, cols) = (m.rows, m.cols);
         with_x_buf(|xp| {
             xp.scratch(len);
             // SAFETY: x has cols elements (checked by the caller) and xp the
             // len = p.len(cols) floats prep writes (all the "_px" kernels
             // read of them).
-            let flag = unsafe { (p.prep)(x.as_ptr(), cols, xp.as_mut_ptr()) };
-            let (w, s, xp, yp) = (
-                SendPtr(w),
-                SendPtr(s),
-                SendPtr(xp.as_ptr()),
-                SendPtr(y.as_mut_ptr()),
-            );
+            let flag = unsafe { (p.prep)(x.as_ptr(), m.cols, xp.as_mut_ptr()) };
             let f = p.matvec;
-            let run = move |r0: usize, r1: usize| {
-                let (w, s, xp, yp) = (w, s, xp, yp);
-                // SAFETY: check_kernel checked the kernel against the matrix
-                // and Matrix::new the weight and scale lengths for rows×cols;
-                // xp holds x prepared by this kernel's prep with its flag,
-                // and outlives the calls (par_rows returns after them); y
-                // has rows elements; par_rows gives 0 <= r0 <= r1 <= rows
-                // and concurrent calls disjoint rows of y.
-                unsafe { f(w.0, s.0, xp.0, flag, yp.0, rows, cols, r0, r1) }
-            };
-            self.par_rows(rows, cols, 1, run);
-        });
-        Ok(())
+            // SAFETY (of the call below): as in matvec_with, with x
+            // prepared by this kernel's prep (its flag beside it); xp
+            // outlives the calls (run_rows returns after them).
+            self.run_rows(
+                k,
+                m,
+                xp,
+                y,
+                1,
+                move |w, s, xp, y, rows, cols, r0, r1| unsafe {
+                    f(w, s, xp, flag, y, rows, cols, r0, r1)
+                },
+            )
+        })
     }
 
     /// Y = W X with a given kernel.
