@@ -21,7 +21,7 @@
 //! [`Dsv4Cache`] gives bit for bit the logits of a full recompute.
 
 use super::{rms_norm, vector, EngineError, Mat, Rope};
-use crate::kernels::{AttnArgs, Kernels};
+use crate::kernels::{AttnArgs, Kernels, Matrix, Weights};
 use crate::model::layout::{dsv4_attn_kind, dsv4_release_to_hf, AttnKind, Naming};
 use crate::model::ModelDir;
 use crate::plan::config::{Dsv4Config, Family, RopeScaling};
@@ -101,6 +101,47 @@ fn top_k(vals: &[f32], k: usize) -> Vec<usize> {
     }
     order.sort_by(cmp);
     order
+}
+
+/// One query of the lightning indexer against its compressed entries.
+struct IndexQuery<'a> {
+    /// The visible entries, [visible, id] (id = the indexer's head_dim).
+    entries: &'a [f32],
+    /// The query's heads, [ih, id].
+    q: &'a [f32],
+    /// The query's head weights, [ih] (already times ih^-½).
+    w: &'a [f32],
+    /// id^-½.
+    scale: f32,
+}
+
+/// The indexer's score of every visible entry e for one query:
+/// `score_e = Σ_h relu(q_h · k_e)·scale·w_h`, heads in order. The dot
+/// products are one F32 matmul (entries as the matrix' rows, the heads as
+/// its tokens: `dots[h][e]`), so they run on the SIMD kernels and the
+/// threads, in the kernels' defined order; at long contexts this is the
+/// largest per-token cost of a CSA layer after the weights (64 heads × 128
+/// dimensions per entry, an entry every 4 tokens).
+fn index_scores(
+    k: &Kernels,
+    iq: IndexQuery,
+    dots: &mut Vec<f32>,
+    scores: &mut Vec<f32>,
+) -> Result<(), EngineError> {
+    let (ih, id) = (iq.w.len(), iq.q.len() / iq.w.len().max(1));
+    let visible = iq.entries.len() / id.max(1);
+    let m = Matrix::new(visible, id, Weights::F32(iq.entries))?;
+    dots.clear();
+    dots.resize(ih * visible, 0.0);
+    k.matmul(&m, iq.q, ih, dots)?;
+    scores.clear();
+    scores.resize(visible, 0.0);
+    for (dh, &wh) in dots.chunks_exact(visible).zip(iq.w) {
+        for (s, &d) in scores.iter_mut().zip(dh) {
+            *s += d.max(0.0) * iq.scale * wh;
+        }
+    }
+    Ok(())
 }
 
 /// One hyper-connection: `fn` [(2+hc)·hc, hc·D], `base` [(2+hc)·hc], `scale` [3].
@@ -1027,6 +1068,7 @@ impl<'m> Dsv4Model<'m> {
         let mut att = vec![0.0f32; n * h * hd];
         let mut keys: Vec<f32> = Vec::new();
         let mut scores: Vec<f32> = Vec::new();
+        let mut dots: Vec<f32> = Vec::new();
         for t in 0..n {
             let p = pos0 + t;
             st.window[(p % w) * hd..(p % w + 1) * hd].copy_from_slice(&kv[t * hd..(t + 1) * hd]);
@@ -1065,20 +1107,17 @@ impl<'m> Dsv4Model<'m> {
                 let visible = cs.count(hd);
                 match (&st.index, &index_proj) {
                     (Some(is), Some((_, _, iq, iw))) if visible > self.index_topk => {
-                        // score_s = Σ_h relu(q_h · k_s)·id^-½ · w_h; keep the top-k.
-                        let ik = &is.entries;
-                        let qh = &iq[t * ih * id..(t + 1) * ih * id];
-                        let wh = &iw[t * ih..(t + 1) * ih];
-                        scores.clear();
-                        for e in 0..visible {
-                            let ke = &ik[e * id..(e + 1) * id];
-                            let mut sc = 0.0f32;
-                            for (hh, qv) in qh.chunks_exact(id).enumerate() {
-                                let dot: f32 = qv.iter().zip(ke).map(|(x, y)| x * y).sum();
-                                sc += dot.max(0.0) * softmax_scale * wh[hh];
-                            }
-                            scores.push(sc);
-                        }
+                        index_scores(
+                            k,
+                            IndexQuery {
+                                entries: &is.entries[..visible * id],
+                                q: &iq[t * ih * id..(t + 1) * ih * id],
+                                w: &iw[t * ih..(t + 1) * ih],
+                                scale: softmax_scale,
+                            },
+                            &mut dots,
+                            &mut scores,
+                        )?;
                         let mut chosen = top_k(&scores, self.index_topk);
                         chosen.sort_unstable();
                         for e in chosen {
