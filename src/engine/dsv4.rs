@@ -1287,3 +1287,61 @@ impl crate::generate::CausalLm for Dsv4Model<'_> {
         Dsv4Model::forward(self, cache, tokens, all_logits)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pseudo-random values in [-1, 1) (a fixed LCG: no test dependency).
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// The indexer's scores against their definition in f64, with buffers
+    /// reused from a larger call, across a head-sum part boundary.
+    #[test]
+    fn index_scores_match_their_definition() {
+        let k = Kernels::best();
+        let (ih, id) = (8, 32);
+        let (q, w) = (values(ih * id, 1), values(ih, 2));
+        let (mut dots, mut scores) = (Vec::new(), Vec::new());
+        for visible in [5000, 2049, 7] {
+            let entries = values(visible * id, visible as u64);
+            let iq = IndexQuery {
+                entries: &entries,
+                q: &q,
+                w: &w,
+                scale: 0.125,
+            };
+            index_scores(&k, iq, &mut dots, &mut scores).unwrap();
+            assert_eq!(scores.len(), visible);
+            for (e, &got) in scores.iter().enumerate() {
+                let ke = &entries[e * id..(e + 1) * id];
+                let (mut want, mut mag) = (0.0f64, 0.0f64);
+                for (h, qh) in q.chunks_exact(id).enumerate() {
+                    let dot: f64 = qh.iter().zip(ke).map(|(&a, &b)| a as f64 * b as f64).sum();
+                    let abs: f64 = qh
+                        .iter()
+                        .zip(ke)
+                        .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                        .sum();
+                    want += dot.max(0.0) * 0.125 * w[h] as f64;
+                    mag += abs * 0.125 * (w[h] as f64).abs();
+                }
+                let tol = mag * (id + ih + 4) as f64 * f32::EPSILON as f64;
+                assert!(
+                    (got as f64 - want).abs() <= tol,
+                    "visible {visible}, entry {e}: {got} against {want} (tolerance {tol:e})"
+                );
+            }
+        }
+    }
+}
