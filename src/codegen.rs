@@ -256,8 +256,10 @@ fn tiles(isa: Isa, f: Format) -> Vec<Tile> {
 /// narrower tile, where one-token tiles went through it once per token. F32
 /// and BF16 where x is read in place, and FP4, whose decode is most of a
 /// one-token pass (a mixture-of-experts prefill gives each expert a few
-/// tokens: on AVX-512, 2 and 3 tokens took 2.2 and 3.3 times one); the
-/// permuted FP8 and BF16 paths take their own tiles.
+/// tokens). AVX-512 FP4 at 2048×4096, 1 thread, cache-resident: 2 and 3
+/// tokens took 2.0-2.3 and 3.1-3.3 times one token's matvec one at a time,
+/// 1.5-1.6 and 2.0-2.1 times as one tile. The permuted FP8 and BF16 paths
+/// take their own tiles.
 fn rest_tiles(isa: Isa, f: Format) -> Vec<usize> {
     let desc = isa.desc();
     let mm = isa.tile(Op::Matmul, f);
