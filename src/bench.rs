@@ -34,6 +34,9 @@ pub struct Options {
     /// on AMX tiles; format "amx", under the avx512 variant) on every BF16
     /// case, rounding and packing included, where this CPU has AMX-BF16.
     pub amx: bool,
+    /// Also time the amx variant on every FP4 case (the weights decoded to
+    /// BF16 tiles; format "fp4amx", under the avx512 variant), likewise.
+    pub fp4_amx: bool,
     /// Only these ISA variants (all compiled ones this CPU runs if empty).
     pub isas: Vec<crate::plan::Isa>,
     /// The weights start this many bytes past a 64-byte boundary (0..64, a
@@ -115,7 +118,7 @@ enum Act {
     /// bf16dot (BF16 cases) or fp8dot (FP8 cases): activations rounded to
     /// BF16.
     Dot,
-    /// amx (BF16 cases): activations rounded to BF16, AMX tiles.
+    /// amx (BF16 and FP4 cases): activations rounded to BF16, AMX tiles.
     Amx,
 }
 
@@ -1087,14 +1090,20 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             Err(why) => eprintln!("{} not timed: {why}", crate::plan::dot_family(f)),
         }
     }
-    if opts.amx {
+    for (on, f, name) in [
+        (opts.amx, Format::Bf16, "amx"),
+        (opts.fp4_amx, Format::Fp4, "fp4amx"),
+    ] {
+        if !on {
+            continue;
+        }
         match Kernels::amx_available() {
             Ok(()) => all.extend(
-                shape_cases(&opts.shapes, &[Format::Bf16])?
+                shape_cases(&opts.shapes, &[f])?
                     .into_iter()
                     .map(|(f, r, c, o)| (f, r, c, o, Act::Amx)),
             ),
-            Err(why) => eprintln!("amx not timed: {why}"),
+            Err(why) => eprintln!("{name} not timed: {why}"),
         }
     }
     let attn = if opts.attention {
@@ -1118,6 +1127,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             Act::F32 => format.to_string(),
             Act::Q8 => "fp4q8".to_string(),
             Act::Dot => crate::plan::dot_family(format).to_string(),
+            Act::Amx if format == Format::Fp4 => "fp4amx".to_string(),
             Act::Amx => "amx".to_string(),
         };
         let one = make_weights(format, rows, cols, ci as u64 + 1, opts.weight_offset);
@@ -1153,9 +1163,9 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                     continue;
                 }
                 [
-                    Kernels::amx_kernel_specialised(rows, cols)
+                    Kernels::amx_kernel_specialised(format, rows, cols)
                         .map(|s| ("specialised", Kern::Amx(s))),
-                    Kernels::amx_kernel_generic().map(|g| ("generic", Kern::Amx(g))),
+                    Kernels::amx_kernel_generic(format).map(|g| ("generic", Kern::Amx(g))),
                 ]
                 .into_iter()
                 .flatten()
@@ -1354,7 +1364,7 @@ fn print_summary(r: &[KernelResult]) {
         // fp4×q8 (bf16dot, fp8dot) next to the same FP4 (BF16, FP8) matrix
         // with f32 activations.
         let base = match s.format.as_str() {
-            "fp4q8" => Some("fp4"),
+            "fp4q8" | "fp4amx" => Some("fp4"),
             "bf16dot" | "amx" => Some("bf16"),
             "fp8dot" => Some("fp8"),
             _ => None,

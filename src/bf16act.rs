@@ -159,6 +159,12 @@ fn check_activations(family: &str, x: &[f32], n: usize, cols: usize) -> Result<(
 /// 345 at 4, 571 / 610 at 8, 556 / 1244 at 16.
 pub const AMX_MIN_TOKENS: usize = 8;
 
+/// The fewest tokens an FP4 product takes to go to the amx kernels (with
+/// `--fp4-act amx`). The f32 FP4 kernels decode every weight again for
+/// each tile of 4 tokens, the amx kernels once per call; measured in
+/// `bench kernels --formats fp4,amx` (see the README's *The amx variant*).
+pub const AMX_FP4_MIN_TOKENS: usize = 3;
+
 /// Tokens per AMX token group (the columns of a sum tile).
 const AMX_GROUP: usize = 16;
 
@@ -254,6 +260,17 @@ fn ftz_signed(v: f32) -> f32 {
     } else {
         v
     }
+}
+
+/// The BF16 an FP4 weight becomes in the amx kernels' tiles
+/// (`--fp4-act amx`): E2M1 `code` (low 4 bits) times the UE8M0 scale
+/// `scale`, the f32 product cut to its top 16 bits. That is the product
+/// itself (it has at most 3 significant bits) wherever it is a normal
+/// number, ±0, ±inf or NaN; where the f32 product is subnormal the tiles
+/// read it as zero of its sign whatever was cut.
+pub fn amx_fp4_weight(code: u8, scale: u8) -> u16 {
+    let p = formats::e2m1_to_f32(code) * formats::e8m0_to_f32(scale);
+    (p.to_bits() >> 16) as u16
 }
 
 /// One output of the amx definition (templates/amx.c.tera): row `w` (BF16
@@ -503,6 +520,34 @@ mod tests {
             help.contains(&format!("{AMX_MIN_TOKENS} or more tokens")),
             "{help}"
         );
+        let v = crate::q8::Fp4Act::Amx.to_possible_value().unwrap();
+        let help = v.get_help().unwrap().to_string();
+        assert!(
+            help.contains(&format!("{AMX_FP4_MIN_TOKENS} or more tokens")),
+            "{help}"
+        );
+    }
+
+    /// FP4 weights in the amx tiles: every code at every scale is the exact
+    /// product where that is a normal f32 (or 0, inf, NaN), and reads as
+    /// zero of its sign where it is subnormal.
+    #[test]
+    fn amx_fp4_weights_are_the_products() {
+        for s in 0..=255u8 {
+            for c in 0..16u8 {
+                let p = formats::e2m1_to_f32(c) * formats::e8m0_to_f32(s);
+                let w = formats::bf16_to_f32(amx_fp4_weight(c, s));
+                if p.is_nan() {
+                    assert!(w.is_nan(), "code {c} scale {s}");
+                } else if p.is_subnormal() {
+                    assert_eq!(ftz_signed(w).to_bits(), (0.0f32).copysign(p).to_bits());
+                } else {
+                    assert_eq!(w.to_bits(), p.to_bits(), "code {c} scale {s}");
+                }
+            }
+        }
+        // 6 * 2^127 overflows to inf, as the f32 kernels' product does.
+        assert_eq!(formats::bf16_to_f32(amx_fp4_weight(7, 254)), f32::INFINITY);
     }
 
     /// The amx layout: token j's columns 2p, 2p + 1 in one u32 at group

@@ -644,18 +644,30 @@ pub fn build() -> BuildResult<()> {
         }
     }
     writeln!(table, "];").unwrap();
-    // amx (BF16 weights, activations rounded to BF16, on AMX tiles): with
+    // amx (BF16 or FP4 weights, activations rounded to BF16, on AMX tiles): with
     // the avx512 variant, when the C compiler knows the AMX flags; its own
     // file and flags (-mamx-tile -mamx-bf16), so no other kernel uses AMX.
     writeln!(table, "\npub static AMX_KERNELS: &[AmxKernel] = &[").unwrap();
     let mut amx_fns = Vec::new();
     let mut amx_sources = Vec::new();
     {
-        let generic = plan::amx_symbol(None);
-        let shapes = shape_symbols(&the_plan, Format::Bf16, |s| plan::amx_symbol(Some(s)));
+        // One file for both weight formats (BF16, and FP4 decoded into the
+        // same tiles), so that bs_amx_init is defined once.
+        let mut formats = Vec::new();
+        let mut rows_of = Vec::new();
+        for (f, id) in [(Format::Bf16, "AMX_BF16"), (Format::Fp4, "AMX_FP4")] {
+            let generic = plan::amx_symbol(f, None);
+            let shapes = shape_symbols(&the_plan, f, |s| plan::amx_symbol(f, Some(s)));
+            formats.push(serde_json::json!({
+                "name": f.name(),
+                "id": id,
+                "generic": generic,
+                "shapes": shapes,
+            }));
+            rows_of.push((f, generic, shapes));
+        }
         let mut ctx = tera::Context::new();
-        ctx.insert("generic", &generic);
-        ctx.insert("shapes", &shapes);
+        ctx.insert("formats", &formats);
         ctx.insert("kp", &AMX_PANEL_CHUNKS);
         ctx.insert("rb", &AMX_ROW_BLOCKS);
         let path = gen.join("amx_avx512.c");
@@ -663,17 +675,19 @@ pub fn build() -> BuildResult<()> {
         if isas.contains(&Isa::Avx512) {
             if amx_flags_supported() {
                 amx_sources.push(path);
-                table_rows(
-                    &mut table,
-                    &mut amx_fns,
-                    "AmxKernel { ",
-                    "amx",
-                    generic,
-                    &shapes,
-                );
+                for (f, generic, shapes) in rows_of {
+                    table_rows(
+                        &mut table,
+                        &mut amx_fns,
+                        &format!("AmxKernel {{ format: Format::{f:?}, "),
+                        "amx",
+                        generic,
+                        &shapes,
+                    );
+                }
             } else {
                 println!(
-                    "cargo:warning=bespoke: the C compiler does not take -mamx-tile -mamx-bf16 (GCC 11+ or Clang 12+ do): the amx kernels (--bf16-act amx) are left out"
+                    "cargo:warning=bespoke: the C compiler does not take -mamx-tile -mamx-bf16 (GCC 11+ or Clang 12+ do): the amx kernels (--bf16-act amx, --fp4-act amx) are left out"
                 );
             }
         }

@@ -119,6 +119,12 @@ fn banner(m: &ModelDir, k: &Kernels, reason: &str, ctx: usize) {
             "fp4×q8: FP4 products use int8 activations (--fp4-act q8): faster, not token-exact"
         );
     }
+    if k.fp4_act() == crate::q8::Fp4Act::Amx && has_format(m, "FP4") {
+        eprintln!(
+            "amx: FP4 products of {}+ tokens (prefill, expert batches) on AMX tiles with BF16 activations (--fp4-act amx): faster prefill, not token-exact; fewer (decode) stay f32",
+            crate::bf16act::AMX_FP4_MIN_TOKENS
+        );
+    }
     if k.bf16_act() == crate::bf16act::Bf16Act::Bf16 && has_format(m, "BF16") {
         eprintln!(
             "bf16dot: BF16 products use BF16 activations (--bf16-act bf16): faster prefill, not token-exact"
@@ -156,7 +162,12 @@ pub struct NumericsArgs {
     /// `f32` (default): exact f32 products, bit-identical to the scalar
     /// reference. `q8`: the fp4×q8 kernels — activations rounded to int8 per
     /// 32 columns (scale max|x|/127), integer dot products; faster, but not
-    /// token-exact (the error bound is in src/q8.rs and tested).
+    /// token-exact (the error bound is in src/q8.rs and tested). `amx`:
+    /// products of 3 or more tokens (prefill, and each expert's batch of
+    /// tokens) on Intel AMX tiles, the weights decoded to BF16 (exact) and
+    /// the activations rounded to BF16; one or two tokens (decode) through the
+    /// f32 kernels; not token-exact (definition in templates/amx.c.tera,
+    /// tested). Needs AMX-BF16 (Sapphire Rapids and later) and Linux 5.16+.
     #[arg(long, value_name = "ACT", value_enum, default_value_t = crate::q8::Fp4Act::F32)]
     pub fp4_act: crate::q8::Fp4Act,
     /// How BF16 weights meet their activations. `f32` (default): exact f32
@@ -209,7 +220,7 @@ pub fn save_usage(m: &ModelDir, eng: &AnyModel) {
 /// (an error when `--bf16-act bf16` cannot run here).
 pub fn numerics_kernels(k: Kernels, num: &NumericsArgs) -> Result<Kernels, String> {
     k.with_fp4_act(num.fp4_act)
-        .with_bf16_act(num.bf16_act)
+        .and_then(|k| k.with_bf16_act(num.bf16_act))
         .and_then(|k| k.with_fp8_act(num.fp8_act))
         .map_err(|e| e.to_string())
 }
@@ -224,8 +235,11 @@ fn has_format(m: &ModelDir, prefix: &str) -> bool {
 /// The engine for a model, with the numerics options applied.
 pub fn engine<'m>(m: &'m ModelDir, k: Kernels, num: NumericsArgs) -> Result<AnyModel<'m>, String> {
     let k = numerics_kernels(k, &num)?;
-    if num.fp4_act == crate::q8::Fp4Act::Q8 && !has_format(m, "FP4") {
-        eprintln!("note: --fp4-act q8 changes nothing here: this model has no FP4 weights");
+    if num.fp4_act != crate::q8::Fp4Act::F32 && !has_format(m, "FP4") {
+        eprintln!(
+            "note: --fp4-act {} changes nothing here: this model has no FP4 weights",
+            num.fp4_act.name()
+        );
     }
     if num.fp8_act == crate::bf16act::Bf16Act::Bf16 && !has_format(m, "FP8") {
         eprintln!("note: --fp8-act bf16 changes nothing here: this model has no FP8 weights");

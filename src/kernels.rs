@@ -146,13 +146,24 @@ pub struct Bf16DotKernel {
     pub f: Bf16DotFn,
 }
 
-pub type AmxFn =
-    unsafe extern "C" fn(*const u16, *const u32, *mut f32, usize, usize, usize, usize, usize);
+pub type AmxFn = unsafe extern "C" fn(
+    *const std::os::raw::c_void,
+    *const u8,
+    *const u32,
+    *mut f32,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+);
 
-/// A compiled amx matmul (BF16 weights, activations rounded to BF16, on AMX
-/// tiles: templates/amx.c.tera), specialised on `shape` = (rows, cols) or
-/// generic.
+/// A compiled amx matmul (BF16 or FP4 weights, activations rounded to
+/// BF16, on AMX tiles: templates/amx.c.tera), specialised on `shape` =
+/// (rows, cols) or generic.
 pub struct AmxKernel {
+    /// The weights' format: BF16, or FP4 (decoded into BF16 tiles).
+    pub format: Format,
     pub shape: Option<(usize, usize)>,
     pub f: AmxFn,
 }
@@ -255,7 +266,9 @@ pub enum KernelError {
     NoFp8Dot(String),
     #[error("--bf16-act amx needs the amx kernels: {0}; use --bf16-act bf16 (AVX-512 BF16) or run without it (f32 activations, the default)")]
     NoAmx(String),
-    #[error("--fp8-act amx: the amx kernels take BF16 weights only; use --fp8-act bf16 for FP8 weights with BF16 activations")]
+    #[error("--fp4-act amx needs the amx kernels: {0}; use --fp4-act q8 or run without it (f32 activations, the default)")]
+    NoAmxFp4(String),
+    #[error("--fp8-act amx: the amx kernels take BF16 and FP4 weights only; use --fp8-act bf16 for FP8 weights with BF16 activations")]
     AmxFp8,
     #[error("BESPOKE_SPECIALISED={0:?}: expected `on` (the default: a matrix gets the kernel this build specialised for its shape, if any) or `off` (generic kernels only)")]
     BadSpecialised(String),
@@ -730,12 +743,16 @@ impl Kernels {
         self.isa
     }
 
-    /// These kernels with FP4 matrices multiplied as `act` says.
-    pub fn with_fp4_act(self, act: Fp4Act) -> Kernels {
-        Kernels {
+    /// These kernels with FP4 matrices multiplied as `act` says; `Amx`
+    /// needs the amx kernels (see [`Kernels::amx_available`]).
+    pub fn with_fp4_act(self, act: Fp4Act) -> Result<Kernels, KernelError> {
+        if act == Fp4Act::Amx {
+            Self::amx_available().map_err(KernelError::NoAmxFp4)?;
+        }
+        Ok(Kernels {
             fp4_act: act,
             ..self
-        }
+        })
     }
 
     pub fn fp4_act(&self) -> Fp4Act {
@@ -834,24 +851,37 @@ impl Kernels {
             .clone()
     }
 
-    /// The amx kernel for a BF16 shape: specialised when the build made one
-    /// (and these kernels use specialised ones).
-    pub fn amx_kernel(&self, rows: usize, cols: usize) -> Option<&'static AmxKernel> {
+    /// The amx kernel for a BF16 or FP4 shape: specialised when the build
+    /// made one (and these kernels use specialised ones).
+    pub fn amx_kernel(
+        &self,
+        format: Format,
+        rows: usize,
+        cols: usize,
+    ) -> Option<&'static AmxKernel> {
         self.specialised
-            .then(|| Self::amx_kernel_specialised(rows, cols))
+            .then(|| Self::amx_kernel_specialised(format, rows, cols))
             .flatten()
-            .or_else(Self::amx_kernel_generic)
+            .or_else(|| Self::amx_kernel_generic(format))
     }
 
-    pub fn amx_kernel_specialised(rows: usize, cols: usize) -> Option<&'static AmxKernel> {
-        AMX_KERNELS.iter().find(|k| k.shape == Some((rows, cols)))
+    pub fn amx_kernel_specialised(
+        format: Format,
+        rows: usize,
+        cols: usize,
+    ) -> Option<&'static AmxKernel> {
+        AMX_KERNELS
+            .iter()
+            .find(|k| k.format == format && k.shape == Some((rows, cols)))
     }
 
-    pub fn amx_kernel_generic() -> Option<&'static AmxKernel> {
-        AMX_KERNELS.iter().find(|k| k.shape.is_none())
+    pub fn amx_kernel_generic(format: Format) -> Option<&'static AmxKernel> {
+        AMX_KERNELS
+            .iter()
+            .find(|k| k.format == format && k.shape.is_none())
     }
 
-    /// Y = W X for BF16 W and activations packed for the amx kernels, with
+    /// Y = W X for BF16 or FP4 W and activations packed for the amx kernels, with
     /// a given amx kernel, rows split across threads in whole 32-row blocks.
     pub fn matmul_amx_with(
         &self,
@@ -900,12 +930,20 @@ impl Kernels {
         y: &mut [f32],
     ) -> Result<impl Fn(usize, usize) + Sync + Send + Copy, KernelError> {
         Self::amx_available().map_err(KernelError::NoAmx)?;
-        let Weights::Bf16(w) = m.weights else {
+        if !matches!(m.format(), Format::Bf16 | Format::Fp4) {
             return Err(KernelError::Shape(format!(
-                "the amx kernels take BF16 weights, not {}",
+                "the amx kernels take BF16 or FP4 weights, not {}",
                 m.format()
             )));
-        };
+        }
+        if k.format != m.format() {
+            return Err(KernelError::Shape(format!(
+                "amx kernel for {} weights used on a {} matrix",
+                k.format,
+                m.format()
+            )));
+        }
+        let (w, s) = m.ptrs();
         check_dot_shape("amx", k.shape, m, x.cols)?;
         let n = x.n;
         let len = AmxX::len_for(n, m.cols)
@@ -917,25 +955,30 @@ impl Kernels {
             y.len(),
         )?;
         let (rows, cols) = (m.rows, m.cols);
-        let (wp, xp, yp) = (
-            SendPtr(w.as_ptr()),
+        let (wp, sp, xp, yp) = (
+            SendPtr(w),
+            SendPtr(s),
             SendPtr(x.b.as_ptr()),
             SendPtr(y.as_mut_ptr()),
         );
         let f = k.f;
         Ok(move |r0: usize, r1: usize| {
-            let (wp, xp, yp) = (wp, xp, yp);
+            let (wp, sp, xp, yp) = (wp, sp, xp, yp);
             if n == 0 || r0 >= r1 {
                 return;
             }
             // SAFETY: amx_available checked that this CPU has the avx512
             // variant's features and AMX-BF16, and that Linux granted this
             // process the tile state; Matrix::new checked that w holds
-            // rows×cols BF16 values; x holds the pair layout for n tokens of
-            // cols columns (length checked above) and y n×rows; the kernel's
-            // shape matches; the callers pass 0 <= r0 <= r1 <= rows, and
-            // concurrent calls write disjoint rows of every token's output.
-            unsafe { f(wp.0, xp.0, yp.0, rows, cols, n, r0, r1) }
+            // rows×cols BF16 values, or for FP4 rows×cols/2 code bytes and
+            // rows×cols/32 scale bytes (cols a multiple of 32), and the
+            // kernel is for that format (checked above; the BF16 kernels do
+            // not read s, null here); x holds the pair layout for n tokens
+            // of cols columns (length checked above) and y n×rows; the
+            // kernel's shape matches; the callers pass 0 <= r0 <= r1 <= rows,
+            // and concurrent calls write disjoint rows of every token's
+            // output.
+            unsafe { f(wp.0, sp.0, xp.0, yp.0, rows, cols, n, r0, r1) }
         })
     }
 
@@ -948,7 +991,7 @@ impl Kernels {
         y: &mut [f32],
     ) -> Result<(), KernelError> {
         let k = self
-            .amx_kernel(m.rows, m.cols)
+            .amx_kernel(m.format(), m.rows, m.cols)
             .ok_or_else(|| KernelError::NoAmx("this build has none".into()))?;
         // One buffer per thread, reused across calls; a nested call on the
         // same thread (a rayon worker taking another task while it waits)
@@ -1390,6 +1433,12 @@ impl Kernels {
         {
             return self.matmul_amx(m, x, n, y);
         }
+        if self.fp4_act == Fp4Act::Amx
+            && m.format() == Format::Fp4
+            && n >= crate::bf16act::AMX_FP4_MIN_TOKENS
+        {
+            return self.matmul_amx(m, x, n, y);
+        }
         self.matmul_with(self.mat_kernel(m.format(), m.rows, m.cols), m, x, n, y)
     }
 
@@ -1767,8 +1816,10 @@ impl Kernels {
 impl fmt::Display for Kernels {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.isa)?;
-        if self.fp4_act == Fp4Act::Q8 {
-            write!(f, " (FP4 with int8 activations: fp4×q8)")?;
+        match self.fp4_act {
+            Fp4Act::Q8 => write!(f, " (FP4 with int8 activations: fp4×q8)")?,
+            Fp4Act::Amx => write!(f, " (FP4 prefill with BF16 activations on AMX tiles: amx)")?,
+            Fp4Act::F32 => {}
         }
         match self.bf16_act {
             Bf16Act::Bf16 => write!(f, " (BF16 with BF16 activations: bf16dot)")?,

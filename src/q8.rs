@@ -25,6 +25,12 @@ pub enum Fp4Act {
     F32,
     /// int8 activations per 32 columns (the fp4×q8 kernels).
     Q8,
+    /// Products of 3 or more tokens (prefill, and the experts' token
+    /// batches) on AMX tiles: the weights decoded to BF16, activations
+    /// rounded to BF16 (the amx kernels; Intel CPUs with AMX-BF16); one
+    /// or two tokens (decode) through the f32 kernels, bit-identical to
+    /// the reference.
+    Amx,
 }
 
 impl Fp4Act {
@@ -32,6 +38,7 @@ impl Fp4Act {
         match self {
             Fp4Act::F32 => "f32",
             Fp4Act::Q8 => "q8",
+            Fp4Act::Amx => "amx",
         }
     }
 }

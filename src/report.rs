@@ -1,7 +1,7 @@
 //! Human-readable reports: the `bespoke plan` tables.
 
 use crate::kernels::{self, Kernels, COMPILED_ISAS};
-use crate::plan::{self, Isa, Plan, PlannedModel};
+use crate::plan::{self, Format, Isa, Plan, PlannedModel};
 use std::fmt::Write as _;
 
 /// The plan build.rs used (embedded in the binary).
@@ -126,14 +126,19 @@ pub fn variants_report(
             Ok(()) => "runnable".to_string(),
             Err(why) => format!("not runnable: {why}"),
         };
-        let shapes = kernels::AMX_KERNELS
-            .iter()
-            .filter(|k| k.shape.is_some())
-            .count();
+        let shapes = |f: Format| {
+            kernels::AMX_KERNELS
+                .iter()
+                .filter(|k| k.format == f && k.shape.is_some())
+                .count()
+        };
         writeln!(
             out,
-            "amx (--bf16-act amx: BF16 weights, BF16 activations, AMX tiles, for products of {}+ tokens; needs the avx512 features + AMX-BF16 and Linux 5.16+): generic + {shapes} specialised, {status}",
-            crate::bf16act::AMX_MIN_TOKENS
+            "amx (--bf16-act amx: BF16 weights, for products of {}+ tokens; --fp4-act amx: FP4 weights decoded to BF16, {}+ tokens; BF16 activations, AMX tiles; needs the avx512 features + AMX-BF16 and Linux 5.16+): generic + {} BF16 and {} FP4 specialised, {status}",
+            crate::bf16act::AMX_MIN_TOKENS,
+            crate::bf16act::AMX_FP4_MIN_TOKENS,
+            shapes(Format::Bf16),
+            shapes(Format::Fp4),
         )
         .unwrap();
     }

@@ -1242,7 +1242,7 @@ fn check_q8(ks: &[Kernels], o: &Owned, x: &[f32]) -> Vec<f32> {
         }
         // The engine path (Kernels with FP4 activations as q8) is the same,
         // and its matmul is token by token.
-        let kq = k.with_fp4_act(Fp4Act::Q8);
+        let kq = k.with_fp4_act(Fp4Act::Q8).unwrap();
         let mut y = vec![f32::NAN; rows];
         kq.matvec(&m, x, &mut y).unwrap();
         assert!(
@@ -1384,7 +1384,10 @@ fn fp4_q8_error_bound() {
         let exact = reference::matvec(&m, &x);
         for k in &ks {
             let mut y = vec![0f32; rows];
-            k.with_fp4_act(Fp4Act::Q8).matvec(&m, &x, &mut y).unwrap();
+            k.with_fp4_act(Fp4Act::Q8)
+                .unwrap()
+                .matvec(&m, &x, &mut y)
+                .unwrap();
             for r in 0..rows {
                 let w_row: Vec<f32> = (0..cols)
                     .map(|c| {
@@ -1762,18 +1765,36 @@ fn amx_want(h: &[u16], rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32
     want
 }
 
-/// The amx kernels on one BF16 matrix against n tokens, generic and
+/// The BF16 values the amx kernels multiply for a BF16 or FP4 matrix
+/// (row-major): BF16 as stored, FP4 as `bf16act::amx_fp4_weight` defines.
+fn amx_weights(o: &Owned) -> Vec<u16> {
+    match o.format {
+        Format::Fp4 => (0..o.rows * o.cols)
+            .map(|i| {
+                let (r, c) = (i / o.cols, i % o.cols);
+                let b = o.b[i / 2];
+                let code = if c % 2 == 1 { b >> 4 } else { b & 0xF };
+                bf16act::amx_fp4_weight(code, o.s[r * (o.cols / 32) + c / 32])
+            })
+            .collect(),
+        _ => o.h.clone(),
+    }
+}
+
+/// The amx kernels on one BF16 or FP4 matrix against n tokens, generic and
 /// specialised, and through the engine's path (`--bf16-act amx`: matmul of
-/// 8+ tokens on AMX, fewer and matvec by the f32 kernels), against the definition bit
-/// for bit (NaN = NaN). Returns the outputs.
+/// 8+ tokens on AMX; `--fp4-act amx`: of 3+; fewer and matvec by the f32
+/// kernels), against the definition bit for bit (NaN = NaN). Returns the
+/// outputs.
 fn check_amx(o: &Owned, x: &[f32], n: usize) -> Vec<f32> {
     let (rows, cols) = (o.rows, o.cols);
     let m = o.matrix();
-    let want = amx_want(&o.h, rows, cols, x, n);
+    let want = amx_want(&amx_weights(o), rows, cols, x, n);
     let a = AmxX::pack(x, n, cols).unwrap();
     let k = Kernels::best();
-    let mut kernels = vec![("generic", Kernels::amx_kernel_generic().unwrap())];
-    if let Some(s) = Kernels::amx_kernel_specialised(rows, cols) {
+    let f = o.format;
+    let mut kernels = vec![("generic", Kernels::amx_kernel_generic(f).unwrap())];
+    if let Some(s) = Kernels::amx_kernel_specialised(f, rows, cols) {
         kernels.push(("specialised", s));
     }
     for (kind, kern) in kernels {
@@ -1789,10 +1810,20 @@ fn check_amx(o: &Owned, x: &[f32], n: usize) -> Vec<f32> {
             );
         }
     }
-    let ka = k.with_bf16_act(Bf16Act::Amx).unwrap();
+    let (ka, min) = if f == Format::Fp4 {
+        (
+            k.with_fp4_act(Fp4Act::Amx).unwrap(),
+            bf16act::AMX_FP4_MIN_TOKENS,
+        )
+    } else {
+        (
+            k.with_bf16_act(Bf16Act::Amx).unwrap(),
+            bf16act::AMX_MIN_TOKENS,
+        )
+    };
     let mut y = vec![f32::NAN; n * rows];
     ka.matmul(&m, x, n, &mut y).unwrap();
-    if n >= bf16act::AMX_MIN_TOKENS {
+    if n >= min {
         assert!(first_diff(&y, &want).is_none(), "amx via matmul");
     } else {
         let exact = reference::matmul(&m, x, n);
@@ -1803,6 +1834,43 @@ fn check_amx(o: &Owned, x: &[f32], n: usize) -> Vec<f32> {
     let exact = reference::matvec(&m, &x[..cols]);
     assert!(first_diff(&y1, &exact).is_none(), "amx: matvec is f32");
     want
+}
+
+/// The big specialised amx shapes (BF16 or FP4): one random row tiled over
+/// the matrix, against n tokens, row ranges at the start, an unaligned
+/// middle and the end, specialised and generic.
+fn check_amx_big(rng: &mut Rng, f: Format, big: &[(usize, usize)], n: usize) {
+    let k = Kernels::best();
+    for &(rows, cols) in big {
+        let one = Owned::random(rng, f, 1, cols);
+        let tiled = Owned {
+            rows,
+            h: one.h.repeat(rows),
+            b: one.b.repeat(rows),
+            s: one.s.repeat(rows),
+            f: vec![],
+            cols,
+            format: f,
+        };
+        let m = tiled.matrix();
+        let x = rng.activations(n * cols);
+        let a = AmxX::pack(&x, n, cols).unwrap();
+        let wants = amx_want(&amx_weights(&one), 1, cols, &x, n);
+        note_finite(&format!("amx {f} {rows}x{cols} tiled row"), &wants, cols);
+        let kernels = [
+            Kernels::amx_kernel_specialised(f, rows, cols).unwrap(),
+            Kernels::amx_kernel_generic(f).unwrap(),
+        ];
+        check_row_ranges(
+            "amx",
+            rows,
+            cols,
+            &wants,
+            &kernels,
+            41,
+            |kern, y, r0, r1| k.matmul_amx_rows_with(kern, &m, &a, y, r0, r1).unwrap(),
+        );
+    }
 }
 
 #[test]
@@ -1841,30 +1909,7 @@ fn amx_matches_its_reference() {
     note_finite("amx 200x2080 n=300 token 0", &y[..200], 2080);
     // The big specialised shapes: one random row tiled over the matrix, row
     // ranges at the start, an unaligned middle and the end.
-    let k = Kernels::best();
-    let n = 20;
-    for &(rows, cols) in &big {
-        let one = Owned::random(&mut rng, Format::Bf16, 1, cols);
-        let h = one.h.repeat(rows);
-        let m = Matrix::new(rows, cols, Weights::Bf16(&h)).unwrap();
-        let x = rng.activations(n * cols);
-        let a = AmxX::pack(&x, n, cols).unwrap();
-        let wants = amx_want(&one.h, 1, cols, &x, n);
-        note_finite(&format!("amx {rows}x{cols} tiled row"), &wants, cols);
-        let kernels = [
-            Kernels::amx_kernel_specialised(rows, cols).unwrap(),
-            Kernels::amx_kernel_generic().unwrap(),
-        ];
-        check_row_ranges(
-            "amx",
-            rows,
-            cols,
-            &wants,
-            &kernels,
-            41,
-            |kern, y, r0, r1| k.matmul_amx_rows_with(kern, &m, &a, y, r0, r1).unwrap(),
-        );
-    }
+    check_amx_big(&mut rng, Format::Bf16, &big, 20);
     let names: Vec<String> = AMX_KERNELS
         .iter()
         .map(|k| {
@@ -1890,6 +1935,42 @@ fn amx_matches_its_reference() {
     let y = check_amx(&o, &x, 2);
     assert_eq!(y[0].to_bits(), 0x8000_0000, "row 0 flushes to -0");
     assert_eq!(y[1], 1.0 + f32::powi(2.0, -23), "row 1: the two chains");
+}
+
+/// The amx kernels with FP4 weights (`--fp4-act amx`): every code, scale
+/// bytes 0 (2^-127, products that are subnormal and read as zero), 254
+/// (6 · 2^127 is inf) and NaN, on awkward and specialised shapes and token
+/// counts, bit for bit against the definition; one token stays f32.
+#[test]
+fn amx_fp4_matches_its_reference() {
+    let _tally = FiniteTally::start();
+    if !amx_runs() {
+        return;
+    }
+    let mut rng = Rng(18);
+    let mut shapes = awkward_shapes(Format::Fp4);
+    // row tiles of 16 and 32 with rows left over; panels of 8 chunks with
+    // a partial last one (cols 288: 9 chunks)
+    shapes.extend([(16, 32), (17, 64), (33, 288), (47, 96), (81, 2080)]);
+    let (small, big): (Vec<_>, Vec<_>) = specialised_shapes(Format::Fp4)
+        .into_iter()
+        .partition(|&(r, c)| r * c <= 1 << 20);
+    shapes.extend(small);
+    let ns = [1, 2, 3, 16, 17, 33];
+    random_sweep(&mut rng, Format::Fp4, &shapes, &ns, 17, "fp4amx", check_amx);
+    check_amx_big(&mut rng, Format::Fp4, &big, 6);
+    // Scales at the edges: 2^-127 (row 0 holds only codes 0.5 and 1, whose
+    // products are subnormal and read as zero), 2^127 (6 · 2^127 = inf)
+    // and NaN, each on its own rows.
+    let mut o = Owned::random(&mut rng, Format::Fp4, 48, 128);
+    for (r, s) in [(0, 0u8), (1, 254), (2, 255), (3, 1), (4, 253)] {
+        o.s[r * 4..(r + 1) * 4].fill(s);
+    }
+    o.b[..64].fill(0x21);
+    let x = rng.activations(3 * 128);
+    let y = check_amx(&o, &x, 3);
+    assert_eq!(y[0], 0.0, "scale 2^-127: the products read as zero");
+    assert!(y[2].is_nan(), "a NaN scale gives NaN");
 }
 
 /// The amx variant stays within its stated error bound of the exact

@@ -143,7 +143,7 @@ fn generic_kernels_give_the_specialised_logits_bit_for_bit() {
         for base in common::variants() {
             let mut ks = vec![base];
             if name == "tiny-dsv4" {
-                ks.push(base.with_fp4_act(Fp4Act::Q8));
+                ks.push(base.with_fp4_act(Fp4Act::Q8).unwrap());
                 ks.extend(base.with_fp8_act(Bf16Act::Bf16));
             } else if let Ok(k) = base.with_bf16_act(Bf16Act::Bf16) {
                 ks.push(k);

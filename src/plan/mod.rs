@@ -1039,10 +1039,14 @@ pub fn dot_symbol(format: Format, shape: Option<&MatShape>) -> String {
     format!("bs_{}_avx512_{tail}", dot_family(format))
 }
 
-/// C symbol of an amx kernel (BF16 weights on AMX tiles).
-pub fn amx_symbol(shape: Option<&MatShape>) -> String {
+/// C symbol of an amx kernel (BF16 or FP4 weights on AMX tiles).
+pub fn amx_symbol(format: Format, shape: Option<&MatShape>) -> String {
     let tail = shape.map(|s| s.key()).unwrap_or_else(|| "generic".into());
-    format!("bs_amx_bf16_{tail}")
+    let f = match format {
+        Format::Fp4 => "fp4",
+        _ => "bf16",
+    };
+    format!("bs_amx_{f}_{tail}")
 }
 
 /// C symbol of an attention kernel.
