@@ -913,9 +913,51 @@ fn bf16_act_amx_flag() {
         "run --model fixtures/tiny-dsv4 --fp8-act amx --max-new-tokens 1",
     ));
     assert!(
-        !ok && err.contains("--fp8-act amx") && err.contains("BF16 weights only"),
+        !ok && err.contains("--fp8-act amx") && err.contains("BF16 and FP4 weights only"),
         "{err}"
     );
+}
+
+/// `--fp4-act amx` (FP4 products of 3+ tokens on AMX tiles) runs on
+/// DeepSeek V4 where the CPU has AMX-BF16, says so and moves the logits a
+/// little; where it cannot run, a clear error.
+#[test]
+fn fp4_act_amx_flag() {
+    let (_, ids) = ref_prompt("tiny-dsv4", 1);
+    let score = |extra: &[&str]| score_last("tiny-dsv4", &ids, extra);
+    let (ok, out32, err) = score(&[]);
+    assert!(ok, "{err}");
+    let (ok, outx, err) = score(&["--fp4-act", "amx"]);
+    match bespoke::kernels::Kernels::amx_available() {
+        Err(why) => {
+            assert!(
+                !ok && err.contains("--fp4-act amx needs the amx kernels") && err.contains(&why),
+                "{err}"
+            );
+            eprintln!("amx not available here ({why}): checked the error");
+        }
+        Ok(()) => {
+            assert!(ok, "{err}");
+            let (ok, _, err) = run(&words(
+                "run --model fixtures/tiny-dsv4 --fp4-act amx --max-new-tokens 2",
+            ));
+            assert!(ok && err.contains("amx: FP4 products"), "{err}");
+            let (v32, l32) = last_logits(&out32);
+            let (v, l) = last_logits(&outx);
+            assert_eq!(
+                (&v32["fp4_act"], &v["fp4_act"]),
+                (&"f32".into(), &"amx".into())
+            );
+            assert!(l.iter().all(|x| x.is_finite()));
+            let dist = max_dist(&l32, &l);
+            let scale = l32.iter().map(|x| x.abs()).fold(0.0, f64::max);
+            assert!(dist > 0.0, "--fp4-act amx changed nothing");
+            assert!(
+                dist < 0.05 * scale,
+                "--fp4-act amx moved the logits by {dist} (largest |logit| {scale})"
+            );
+        }
+    }
 }
 
 /// `--numerics deepseek` follows DeepSeek's inference code on DeepSeek V4
