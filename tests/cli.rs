@@ -819,17 +819,23 @@ fn fp8_act_flag() {
 /// flag is reported, the logits move (BF16 activations) but little, and at
 /// least 90 % of the greedy choices stay.
 fn check_bf16_act_logits(out32: &str, out: &str, act: &str) {
+    check_act_logits("bf16_act", out32, out, act)
+}
+
+/// The same for the option whose JSON key is `key` (`bf16_act`, `fp4_act`).
+fn check_act_logits(key: &str, out32: &str, out: &str, act: &str) {
     let (v32, l32) = last_logits(out32);
     let (v, l) = last_logits(out);
-    assert_eq!(v32["bf16_act"], "f32");
-    assert_eq!(v["bf16_act"], act);
+    assert_eq!(v32[key], "f32");
+    assert_eq!(v[key], act);
     assert!(l.iter().all(|x| x.is_finite()));
     let dist = max_dist(&l32, &l);
     let scale = l32.iter().map(|x| x.abs()).fold(0.0, f64::max);
-    assert!(dist > 0.0, "--bf16-act {act} changed nothing");
+    let flag = key.replace('_', "-");
+    assert!(dist > 0.0, "--{flag} {act} changed nothing");
     assert!(
         dist < 0.05 * scale,
-        "--bf16-act {act} moved the logits by {dist} (largest |logit| {scale})"
+        "--{flag} {act} moved the logits by {dist} (largest |logit| {scale})"
     );
     let am = |v: &serde_json::Value| v["argmax"].as_array().unwrap().clone();
     let (a32, a) = (am(&v32), am(&v));
@@ -942,20 +948,7 @@ fn fp4_act_amx_flag() {
                 "run --model fixtures/tiny-dsv4 --fp4-act amx --max-new-tokens 2",
             ));
             assert!(ok && err.contains("amx: FP4 products"), "{err}");
-            let (v32, l32) = last_logits(&out32);
-            let (v, l) = last_logits(&outx);
-            assert_eq!(
-                (&v32["fp4_act"], &v["fp4_act"]),
-                (&"f32".into(), &"amx".into())
-            );
-            assert!(l.iter().all(|x| x.is_finite()));
-            let dist = max_dist(&l32, &l);
-            let scale = l32.iter().map(|x| x.abs()).fold(0.0, f64::max);
-            assert!(dist > 0.0, "--fp4-act amx changed nothing");
-            assert!(
-                dist < 0.05 * scale,
-                "--fp4-act amx moved the logits by {dist} (largest |logit| {scale})"
-            );
+            check_act_logits("fp4_act", &out32, &outx, "amx");
         }
     }
 }
