@@ -21,6 +21,7 @@ fn main() {
         fp8dot: true,
         // amx is a prefill kernel; this benchmark times one token.
         amx: false,
+        fp8_amx: false,
         fp4_amx: false,
         shapes: bespoke::bench::ShapeSet::Default,
         isas: vec![],

@@ -37,6 +37,8 @@ pub struct Options {
     /// Also time the amx variant on every FP4 case (the weights decoded to
     /// BF16 tiles; format "fp4amx", under the avx512 variant), likewise.
     pub fp4_amx: bool,
+    /// The same on every FP8 case (format "fp8amx").
+    pub fp8_amx: bool,
     /// Only these ISA variants (all compiled ones this CPU runs if empty).
     pub isas: Vec<crate::plan::Isa>,
     /// The weights start this many bytes past a 64-byte boundary (0..64, a
@@ -118,7 +120,7 @@ enum Act {
     /// bf16dot (BF16 cases) or fp8dot (FP8 cases): activations rounded to
     /// BF16.
     Dot,
-    /// amx (BF16 and FP4 cases): activations rounded to BF16, AMX tiles.
+    /// amx (BF16, FP8 and FP4 cases): activations rounded to BF16, AMX tiles.
     Amx,
 }
 
@@ -1092,6 +1094,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
     }
     for (on, f, name) in [
         (opts.amx, Format::Bf16, "amx"),
+        (opts.fp8_amx, Format::Fp8, "fp8amx"),
         (opts.fp4_amx, Format::Fp4, "fp4amx"),
     ] {
         if !on {
@@ -1128,6 +1131,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             Act::Q8 => "fp4q8".to_string(),
             Act::Dot => crate::plan::dot_family(format).to_string(),
             Act::Amx if format == Format::Fp4 => "fp4amx".to_string(),
+            Act::Amx if format == Format::Fp8 => "fp8amx".to_string(),
             Act::Amx => "amx".to_string(),
         };
         let one = make_weights(format, rows, cols, ci as u64 + 1, opts.weight_offset);
@@ -1366,7 +1370,7 @@ fn print_summary(r: &[KernelResult]) {
         let base = match s.format.as_str() {
             "fp4q8" | "fp4amx" => Some("fp4"),
             "bf16dot" | "amx" => Some("bf16"),
-            "fp8dot" => Some("fp8"),
+            "fp8dot" | "fp8amx" => Some("fp8"),
             _ => None,
         };
         let vs_f32_act = base

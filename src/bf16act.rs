@@ -31,9 +31,10 @@ pub enum Bf16Act {
     /// Activations rounded to BF16, VDPBF16PS pair products (the bf16dot
     /// or fp8dot kernels; AVX-512 BF16 CPUs only).
     Bf16,
-    /// BF16 matrices only: products of 8 or more tokens (prefill) on AMX
-    /// tiles, activations rounded to BF16 (the amx kernels; Intel CPUs
-    /// with AMX-BF16); fewer tokens (decode) through the f32 kernels,
+    /// Products of 8 or more tokens with a BF16 matrix, of 4 or more
+    /// with an FP8 one (prefill) on AMX tiles, activations rounded to BF16
+    /// and FP8 weights decoded to BF16 exactly (the amx kernels; Intel
+    /// CPUs with AMX-BF16); fewer tokens (decode) through the f32 kernels,
     /// bit-identical to the reference.
     Amx,
 }
@@ -165,6 +166,10 @@ pub const AMX_MIN_TOKENS: usize = 8;
 /// `bench kernels --formats fp4,amx` (see the README's *The amx variant*).
 pub const AMX_FP4_MIN_TOKENS: usize = 3;
 
+/// The fewest tokens an FP8 product takes to go to the amx kernels (with
+/// `--fp8-act amx`); measured as [`AMX_FP4_MIN_TOKENS`] was.
+pub const AMX_FP8_MIN_TOKENS: usize = 4;
+
 /// Tokens per AMX token group (the columns of a sum tile).
 const AMX_GROUP: usize = 16;
 
@@ -270,6 +275,18 @@ fn ftz_signed(v: f32) -> f32 {
 /// read it as zero of its sign whatever was cut.
 pub fn amx_fp4_weight(code: u8, scale: u8) -> u16 {
     let p = formats::e2m1_to_f32(code) * formats::e8m0_to_f32(scale);
+    (p.to_bits() >> 16) as u16
+}
+
+/// The BF16 an FP8 weight becomes in the amx kernels' tiles
+/// (`--fp8-act amx`): E4M3 `code` times the UE8M0 `scale` of its 128×128
+/// block, the f32 product cut to its top 16 bits. E4M3 values have at most
+/// 4 significant bits, so that is the product itself wherever it is a
+/// normal number or ±0; where it is an f32 subnormal the tiles read it as
+/// zero of its sign. A NaN code or scale gives a NaN, of either sign (the
+/// kernels keep a NaN code's sign bit).
+pub fn amx_fp8_weight(code: u8, scale: u8) -> u16 {
+    let p = formats::e4m3_to_f32(code) * formats::e8m0_to_f32(scale);
     (p.to_bits() >> 16) as u16
 }
 
@@ -526,6 +543,39 @@ mod tests {
             help.contains(&format!("{AMX_FP4_MIN_TOKENS} or more tokens")),
             "{help}"
         );
+        let v = Bf16Act::Amx.to_possible_value().unwrap();
+        let help = v.get_help().unwrap().to_string();
+        assert!(
+            help.contains(&format!("of {AMX_FP8_MIN_TOKENS} or more with an FP8 one")),
+            "{help}"
+        );
+    }
+
+    /// FP8 weights in the amx tiles: every code at every scale against the
+    /// product worked out in f64 (E4M3 times 2^(s-127), exact there): the
+    /// same value where it is a normal f32 or ±0, zero of its sign where it
+    /// is an f32 subnormal, ±inf past f32's range, NaN for a NaN code or
+    /// scale.
+    #[test]
+    fn amx_fp8_weights_are_the_products() {
+        for s in 0..=255u8 {
+            for c in 0..=255u8 {
+                let w = formats::bf16_to_f32(amx_fp8_weight(c, s));
+                if c & 0x7F == 0x7F || s == 0xFF {
+                    assert!(w.is_nan(), "code {c:#x} scale {s}");
+                    continue;
+                }
+                let exact = formats::e4m3_to_f32(c) as f64 * 2f64.powi(s as i32 - 127);
+                let want = if exact.abs() < f32::MIN_POSITIVE as f64 {
+                    0.0f32.copysign(exact as f32)
+                } else {
+                    // Exact in f32 (at most 4 significant bits), or ±inf.
+                    exact as f32
+                };
+                let got = ftz_signed(w);
+                assert_eq!(got.to_bits(), want.to_bits(), "code {c:#x} scale {s}");
+            }
+        }
     }
 
     /// FP4 weights in the amx tiles: every code at every scale is the exact

@@ -644,18 +644,22 @@ pub fn build() -> BuildResult<()> {
         }
     }
     writeln!(table, "];").unwrap();
-    // amx (BF16 or FP4 weights, activations rounded to BF16, on AMX tiles): with
+    // amx (BF16, FP8 or FP4 weights, activations rounded to BF16, on AMX tiles): with
     // the avx512 variant, when the C compiler knows the AMX flags; its own
     // file and flags (-mamx-tile -mamx-bf16), so no other kernel uses AMX.
     writeln!(table, "\npub static AMX_KERNELS: &[AmxKernel] = &[").unwrap();
     let mut amx_fns = Vec::new();
     let mut amx_sources = Vec::new();
     {
-        // One file for both weight formats (BF16, and FP4 decoded into the
-        // same tiles), so that bs_amx_init is defined once.
+        // One file for every weight format (BF16, and FP8 and FP4 decoded
+        // into the same tiles), so that bs_amx_init is defined once.
         let mut formats = Vec::new();
         let mut rows_of = Vec::new();
-        for (f, id) in [(Format::Bf16, "AMX_BF16"), (Format::Fp4, "AMX_FP4")] {
+        for (f, id) in [
+            (Format::Bf16, "AMX_BF16"),
+            (Format::Fp8, "AMX_FP8"),
+            (Format::Fp4, "AMX_FP4"),
+        ] {
             let generic = plan::amx_symbol(f, None);
             let shapes = shape_symbols(&the_plan, f, |s| plan::amx_symbol(f, Some(s)));
             formats.push(serde_json::json!({
@@ -687,7 +691,7 @@ pub fn build() -> BuildResult<()> {
                 }
             } else {
                 println!(
-                    "cargo:warning=bespoke: the C compiler does not take -mamx-tile -mamx-bf16 (GCC 11+ or Clang 12+ do): the amx kernels (--bf16-act amx, --fp4-act amx) are left out"
+                    "cargo:warning=bespoke: the C compiler does not take -mamx-tile -mamx-bf16 (GCC 11+ or Clang 12+ do): the amx kernels (--bf16-act amx, --fp8-act amx, --fp4-act amx) are left out"
                 );
             }
         }

@@ -139,6 +139,12 @@ fn banner(m: &ModelDir, k: &Kernels, reason: &str, ctx: usize) {
     if k.fp8_act() == crate::bf16act::Bf16Act::Bf16 && has_format(m, "FP8") {
         eprintln!("fp8dot: FP8 products use BF16 activations (--fp8-act bf16): not token-exact");
     }
+    if k.fp8_act() == crate::bf16act::Bf16Act::Amx && has_format(m, "FP8") {
+        eprintln!(
+            "amx: FP8 products of {}+ tokens (prefill) on AMX tiles with BF16 activations (--fp8-act amx): faster prefill, not token-exact; fewer (decode) stay f32",
+            crate::bf16act::AMX_FP8_MIN_TOKENS
+        );
+    }
 }
 
 /// `--numerics`: see [`crate::engine::dsv4::Numerics`].
@@ -190,7 +196,13 @@ pub struct NumericsArgs {
     /// exactly a BF16 value, the activations are rounded to BF16, VDPBF16PS
     /// pair products per 128-column scale block; not token-exact (definition
     /// and error bound in src/bf16act.rs, tested). Needs AVX512_BF16, as
-    /// `--bf16-act bf16` does. (`amx` takes BF16 weights only: refused here.)
+    /// `--bf16-act bf16` does. `amx`: products of 4 or more tokens (prefill)
+    /// on Intel AMX tiles, each weight times its block's scale decoded once
+    /// per call to a BF16 value (exact), activations rounded to BF16 (exact
+    /// too under `--numerics deepseek`, whose activations are FP8 values
+    /// times a power of two); fewer tokens
+    /// (decode) through the f32 kernels; not token-exact (the sums' order
+    /// differs). Needs AMX-BF16, as `--bf16-act amx` does.
     #[arg(long, value_name = "ACT", value_enum, default_value_t = crate::bf16act::Bf16Act::F32)]
     pub fp8_act: crate::bf16act::Bf16Act,
     /// `cuda` builds with a GPU: the VRAM budget in GiB for the weights put
@@ -241,8 +253,11 @@ pub fn engine<'m>(m: &'m ModelDir, k: Kernels, num: NumericsArgs) -> Result<AnyM
             num.fp4_act.name()
         );
     }
-    if num.fp8_act == crate::bf16act::Bf16Act::Bf16 && !has_format(m, "FP8") {
-        eprintln!("note: --fp8-act bf16 changes nothing here: this model has no FP8 weights");
+    if num.fp8_act != crate::bf16act::Bf16Act::F32 && !has_format(m, "FP8") {
+        eprintln!(
+            "note: --fp8-act {} changes nothing here: this model has no FP8 weights",
+            num.fp8_act.name()
+        );
     }
     if num.bf16_act != crate::bf16act::Bf16Act::F32 && !has_format(m, "BF16") {
         eprintln!(

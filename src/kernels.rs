@@ -158,11 +158,11 @@ pub type AmxFn = unsafe extern "C" fn(
     usize,
 );
 
-/// A compiled amx matmul (BF16 or FP4 weights, activations rounded to
+/// A compiled amx matmul (BF16, FP8 or FP4 weights, activations rounded to
 /// BF16, on AMX tiles: templates/amx.c.tera), specialised on `shape` =
 /// (rows, cols) or generic.
 pub struct AmxKernel {
-    /// The weights' format: BF16, or FP4 (decoded into BF16 tiles).
+    /// The weights' format: BF16, or FP8 or FP4 (decoded into BF16 tiles).
     pub format: Format,
     pub shape: Option<(usize, usize)>,
     pub f: AmxFn,
@@ -268,8 +268,8 @@ pub enum KernelError {
     NoAmx(String),
     #[error("--fp4-act amx needs the amx kernels: {0}; use --fp4-act q8 or run without it (f32 activations, the default)")]
     NoAmxFp4(String),
-    #[error("--fp8-act amx: the amx kernels take BF16 and FP4 weights only; use --fp8-act bf16 for FP8 weights with BF16 activations")]
-    AmxFp8,
+    #[error("--fp8-act amx needs the amx kernels: {0}; use --fp8-act bf16 (AVX-512 BF16) or run without it (f32 activations, the default)")]
+    NoAmxFp8(String),
     #[error("BESPOKE_SPECIALISED={0:?}: expected `on` (the default: a matrix gets the kernel this build specialised for its shape, if any) or `off` (generic kernels only)")]
     BadSpecialised(String),
 }
@@ -781,7 +781,9 @@ impl Kernels {
             Bf16Act::Bf16 => {
                 Self::bf16dot_available().map_err(|why| KernelError::no_dot(format, why))?
             }
-            Bf16Act::Amx if format == Format::Fp8 => return Err(KernelError::AmxFp8),
+            Bf16Act::Amx if format == Format::Fp8 => {
+                Self::amx_available().map_err(KernelError::NoAmxFp8)?
+            }
             Bf16Act::Amx => Self::amx_available().map_err(KernelError::NoAmx)?,
             Bf16Act::F32 => {}
         }
@@ -851,7 +853,7 @@ impl Kernels {
             .clone()
     }
 
-    /// The amx kernel for a BF16 or FP4 shape: specialised when the build
+    /// The amx kernel for a BF16, FP8 or FP4 shape: specialised when the build
     /// made one (and these kernels use specialised ones).
     pub fn amx_kernel(
         &self,
@@ -881,7 +883,7 @@ impl Kernels {
             .find(|k| k.format == format && k.shape.is_none())
     }
 
-    /// Y = W X for BF16 or FP4 W and activations packed for the amx kernels, with
+    /// Y = W X for BF16, FP8 or FP4 W and activations packed for the amx kernels, with
     /// a given amx kernel, rows split across threads in whole 32-row blocks.
     pub fn matmul_amx_with(
         &self,
@@ -930,9 +932,9 @@ impl Kernels {
         y: &mut [f32],
     ) -> Result<impl Fn(usize, usize) + Sync + Send + Copy, KernelError> {
         Self::amx_available().map_err(KernelError::NoAmx)?;
-        if !matches!(m.format(), Format::Bf16 | Format::Fp4) {
+        if !matches!(m.format(), Format::Bf16 | Format::Fp8 | Format::Fp4) {
             return Err(KernelError::Shape(format!(
-                "the amx kernels take BF16 or FP4 weights, not {}",
+                "the amx kernels take BF16, FP8 or FP4 weights, not {}",
                 m.format()
             )));
         }
@@ -970,10 +972,11 @@ impl Kernels {
             // SAFETY: amx_available checked that this CPU has the avx512
             // variant's features and AMX-BF16, and that Linux granted this
             // process the tile state; Matrix::new checked that w holds
-            // rows×cols BF16 values, or for FP4 rows×cols/2 code bytes and
-            // rows×cols/32 scale bytes (cols a multiple of 32), and the
-            // kernel is for that format (checked above; the BF16 kernels do
-            // not read s, null here); x holds the pair layout for n tokens
+            // rows×cols BF16 values, or for FP8 rows×cols code bytes and
+            // ceil(rows/128)×ceil(cols/128) scale bytes, or for FP4
+            // rows×cols/2 code bytes and rows×cols/32 scale bytes (cols a
+            // multiple of 32), and the kernel is for that format (checked
+            // above; the BF16 kernels do not read s, null here); x holds the pair layout for n tokens
             // of cols columns (length checked above) and y n×rows; the
             // kernel's shape matches; the callers pass 0 <= r0 <= r1 <= rows,
             // and concurrent calls write disjoint rows of every token's
@@ -1439,6 +1442,12 @@ impl Kernels {
         {
             return self.matmul_amx(m, x, n, y);
         }
+        if self.fp8_act == Bf16Act::Amx
+            && m.format() == Format::Fp8
+            && n >= crate::bf16act::AMX_FP8_MIN_TOKENS
+        {
+            return self.matmul_amx(m, x, n, y);
+        }
         self.matmul_with(self.mat_kernel(m.format(), m.rows, m.cols), m, x, n, y)
     }
 
@@ -1826,8 +1835,10 @@ impl fmt::Display for Kernels {
             Bf16Act::Amx => write!(f, " (BF16 prefill with BF16 activations on AMX tiles: amx)")?,
             Bf16Act::F32 => {}
         }
-        if self.fp8_act == Bf16Act::Bf16 {
-            write!(f, " (FP8 with BF16 activations: fp8dot)")?;
+        match self.fp8_act {
+            Bf16Act::Bf16 => write!(f, " (FP8 with BF16 activations: fp8dot)")?,
+            Bf16Act::Amx => write!(f, " (FP8 prefill with BF16 activations on AMX tiles: amx)")?,
+            Bf16Act::F32 => {}
         }
         Ok(())
     }

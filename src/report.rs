@@ -134,10 +134,12 @@ pub fn variants_report(
         };
         writeln!(
             out,
-            "amx (--bf16-act amx: BF16 weights, for products of {}+ tokens; --fp4-act amx: FP4 weights decoded to BF16, {}+ tokens; BF16 activations, AMX tiles; needs the avx512 features + AMX-BF16 and Linux 5.16+): generic + {} BF16 and {} FP4 specialised, {status}",
+            "amx (--bf16-act amx: BF16 weights, for products of {}+ tokens; --fp8-act amx: FP8 weights decoded to BF16, {}+ tokens; --fp4-act amx: FP4 weights decoded to BF16, {}+ tokens; BF16 activations, AMX tiles; needs the avx512 features + AMX-BF16 and Linux 5.16+): generic + {} BF16, {} FP8 and {} FP4 specialised, {status}",
             crate::bf16act::AMX_MIN_TOKENS,
+            crate::bf16act::AMX_FP8_MIN_TOKENS,
             crate::bf16act::AMX_FP4_MIN_TOKENS,
             shapes(Format::Bf16),
+            shapes(Format::Fp8),
             shapes(Format::Fp4),
         )
         .unwrap();

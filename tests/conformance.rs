@@ -1765,10 +1765,20 @@ fn amx_want(h: &[u16], rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32
     want
 }
 
-/// The BF16 values the amx kernels multiply for a BF16 or FP4 matrix
-/// (row-major): BF16 as stored, FP4 as `bf16act::amx_fp4_weight` defines.
+/// The BF16 values the amx kernels multiply for a BF16, FP8 or FP4 matrix
+/// (row-major): BF16 as stored, FP8 and FP4 as `bf16act::amx_fp8_weight`
+/// and `amx_fp4_weight` define.
 fn amx_weights(o: &Owned) -> Vec<u16> {
     match o.format {
+        Format::Fp8 => {
+            let sc = o.cols.div_ceil(128);
+            (0..o.rows * o.cols)
+                .map(|i| {
+                    let (r, c) = (i / o.cols, i % o.cols);
+                    bf16act::amx_fp8_weight(o.b[i], o.s[(r / 128) * sc + c / 128])
+                })
+                .collect()
+        }
         Format::Fp4 => (0..o.rows * o.cols)
             .map(|i| {
                 let (r, c) = (i / o.cols, i % o.cols);
@@ -1781,11 +1791,11 @@ fn amx_weights(o: &Owned) -> Vec<u16> {
     }
 }
 
-/// The amx kernels on one BF16 or FP4 matrix against n tokens, generic and
-/// specialised, and through the engine's path (`--bf16-act amx`: matmul of
-/// 8+ tokens on AMX; `--fp4-act amx`: of 3+; fewer and matvec by the f32
-/// kernels), against the definition bit for bit (NaN = NaN). Returns the
-/// outputs.
+/// The amx kernels on one BF16, FP8 or FP4 matrix against n tokens,
+/// generic and specialised, and through the engine's path (`--bf16-act
+/// amx`: matmul of 8+ tokens on AMX; `--fp8-act amx`: of 4+; `--fp4-act
+/// amx`: of 3+; fewer and matvec by the f32 kernels), against the
+/// definition bit for bit (NaN = NaN). Returns the outputs.
 fn check_amx(o: &Owned, x: &[f32], n: usize) -> Vec<f32> {
     let (rows, cols) = (o.rows, o.cols);
     let m = o.matrix();
@@ -1810,16 +1820,19 @@ fn check_amx(o: &Owned, x: &[f32], n: usize) -> Vec<f32> {
             );
         }
     }
-    let (ka, min) = if f == Format::Fp4 {
-        (
+    let (ka, min) = match f {
+        Format::Fp4 => (
             k.with_fp4_act(Fp4Act::Amx).unwrap(),
             bf16act::AMX_FP4_MIN_TOKENS,
-        )
-    } else {
-        (
+        ),
+        Format::Fp8 => (
+            k.with_fp8_act(Bf16Act::Amx).unwrap(),
+            bf16act::AMX_FP8_MIN_TOKENS,
+        ),
+        _ => (
             k.with_bf16_act(Bf16Act::Amx).unwrap(),
             bf16act::AMX_MIN_TOKENS,
-        )
+        ),
     };
     let mut y = vec![f32::NAN; n * rows];
     ka.matmul(&m, x, n, &mut y).unwrap();
@@ -1836,9 +1849,10 @@ fn check_amx(o: &Owned, x: &[f32], n: usize) -> Vec<f32> {
     want
 }
 
-/// The big specialised amx shapes (BF16 or FP4): one random row tiled over
-/// the matrix, against n tokens, row ranges at the start, an unaligned
-/// middle and the end, specialised and generic.
+/// The big specialised amx shapes (BF16, FP8 or FP4): one random row tiled
+/// over the matrix (FP8: its scale row over every 128-row block), against
+/// n tokens, row ranges at the start, an unaligned middle and the end,
+/// specialised and generic.
 fn check_amx_big(rng: &mut Rng, f: Format, big: &[(usize, usize)], n: usize) {
     let k = Kernels::best();
     for &(rows, cols) in big {
@@ -1847,7 +1861,11 @@ fn check_amx_big(rng: &mut Rng, f: Format, big: &[(usize, usize)], n: usize) {
             rows,
             h: one.h.repeat(rows),
             b: one.b.repeat(rows),
-            s: one.s.repeat(rows),
+            s: one.s.repeat(if f == Format::Fp8 {
+                rows.div_ceil(128)
+            } else {
+                rows
+            }),
             f: vec![],
             cols,
             format: f,
@@ -1935,6 +1953,61 @@ fn amx_matches_its_reference() {
     let y = check_amx(&o, &x, 2);
     assert_eq!(y[0].to_bits(), 0x8000_0000, "row 0 flushes to -0");
     assert_eq!(y[1], 1.0 + f32::powi(2.0, -23), "row 1: the two chains");
+}
+
+/// The amx kernels with FP8 weights (`--fp8-act amx`): every code at the
+/// scale bytes around the kernels' two decoders' border (7..246 the
+/// exponent add, else the f32 product: 0, 1, 6, 7, 10, 127, 246, 247, 254,
+/// NaN), random codes and scales on awkward and specialised shapes (partial
+/// 32-column chunks, 128-row and 128-column scale blocks cut by tiles and
+/// panels) and token counts, bit for bit against the definition; fewer
+/// than 4 tokens stay f32.
+#[test]
+fn amx_fp8_matches_its_reference() {
+    let _tally = FiniteTally::start();
+    if !amx_runs() {
+        return;
+    }
+    let mut rng = Rng(19);
+    let mut shapes = awkward_shapes(Format::Fp8);
+    // row tiles of 16 and 32 with rows left over; partial chunks; scale
+    // blocks cut by a panel (288 columns: 9 chunks) and by row tiles (130,
+    // 200 rows)
+    shapes.extend([
+        (16, 32),
+        (17, 33),
+        (33, 288),
+        (47, 95),
+        (130, 300),
+        (200, 129),
+        (81, 2080),
+    ]);
+    let (small, big): (Vec<_>, Vec<_>) = specialised_shapes(Format::Fp8)
+        .into_iter()
+        .partition(|&(r, c)| r * c <= 1 << 20);
+    shapes.extend(small);
+    let ns = [1, 3, 4, 16, 17, 33];
+    random_sweep(&mut rng, Format::Fp8, &shapes, &ns, 17, "fp8amx", check_amx);
+    check_amx_big(&mut rng, Format::Fp8, &big, 6);
+    // Every code (NaN codes on row 0 only) at each edge scale: 32 rows of
+    // 128 columns, one scale block.
+    for sb in [0u8, 1, 6, 7, 10, 127, 246, 247, 254, 255] {
+        let mut o = Owned::random(&mut rng, Format::Fp8, 32, 128);
+        for (i, b) in o.b.iter_mut().enumerate() {
+            let c = (i % 256) as u8;
+            *b = if c & 0x7F == 0x7F && i >= 128 { c ^ 1 } else { c };
+        }
+        o.s[0] = sb;
+        let x = rng.activations(5 * 128);
+        let y = check_amx(&o, &x, 5);
+        assert!(y[0].is_nan(), "scale {sb}: a NaN code gives NaN");
+        if sb == 255 {
+            assert!(y.iter().all(|v| v.is_nan()), "a NaN scale gives NaN");
+        }
+        if (7..=127).contains(&sb) {
+            assert!(y[1..32].iter().all(|v| v.is_finite()), "scale {sb}");
+        }
+    }
 }
 
 /// The amx kernels with FP4 weights (`--fp4-act amx`): every code, scale

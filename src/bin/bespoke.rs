@@ -178,12 +178,14 @@ enum BenchWhat {
         /// 16 and more), rounding and packing included — fp4amx, FP4
         /// weights decoded to BF16 times activations rounded to BF16 on
         /// AMX tiles (--fp4-act amx), decoding, rounding and packing
-        /// included — and attn, the
+        /// included — fp8amx, the same for FP8 weights (--fp8-act amx) —
+        /// and attn, the
         /// attention-decode kernel at the shape set's attention shapes, one
         /// query against --context positions).
         /// Default: bf16,fp8,fp4,fp4q8,bf16dot,fp8dot,attn, and amx with
-        /// --tokens 8 or more (where --bf16-act amx uses it), fp4amx with
-        /// --tokens 3 or more (where --fp4-act amx uses it).
+        /// --tokens 8 or more (where --bf16-act amx uses it), fp8amx with
+        /// --tokens 4 or more and fp4amx with 3 or more (where --fp8-act amx
+        /// and --fp4-act amx use them).
         #[arg(long, value_name = "LIST")]
         formats: Option<String>,
         /// Positions in the KV cache of the attn cases (keys and values f32,
@@ -393,6 +395,9 @@ fn run(cli: Cli) -> Result<(), String> {
                 if tokens >= bespoke::bf16act::AMX_MIN_TOKENS {
                     all.push_str(",amx");
                 }
+                if tokens >= bespoke::bf16act::AMX_FP8_MIN_TOKENS {
+                    all.push_str(",fp8amx");
+                }
                 if tokens >= bespoke::bf16act::AMX_FP4_MIN_TOKENS {
                     all.push_str(",fp4amx");
                 }
@@ -400,18 +405,19 @@ fn run(cli: Cli) -> Result<(), String> {
             });
             let mut formats = Vec::new();
             let (mut fp4_q8, mut bf16dot, mut fp8dot, mut attention) = (false, false, false, false);
-            let (mut amx, mut fp4_amx) = (false, false);
+            let (mut amx, mut fp8_amx, mut fp4_amx) = (false, false, false);
             for s in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
                 match s {
                     "fp4q8" => fp4_q8 = true,
                     "bf16dot" => bf16dot = true,
                     "fp8dot" => fp8dot = true,
                     "amx" => amx = true,
+                    "fp8amx" => fp8_amx = true,
                     "fp4amx" => fp4_amx = true,
                     "attn" => attention = true,
                     _ => formats.push(plan::Format::parse(s).ok_or_else(|| {
                         format!(
-                            "--formats: unknown format {s:?} (f32, bf16, fp8, fp4, fp4q8, bf16dot, fp8dot, amx, fp4amx, attn)"
+                            "--formats: unknown format {s:?} (f32, bf16, fp8, fp4, fp4q8, bf16dot, fp8dot, amx, fp8amx, fp4amx, attn)"
                         )
                     })?),
                 }
@@ -440,6 +446,7 @@ fn run(cli: Cli) -> Result<(), String> {
                 bf16dot,
                 fp8dot,
                 amx,
+                fp8_amx,
                 fp4_amx,
                 shapes,
                 isas,

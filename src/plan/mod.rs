@@ -1039,11 +1039,12 @@ pub fn dot_symbol(format: Format, shape: Option<&MatShape>) -> String {
     format!("bs_{}_avx512_{tail}", dot_family(format))
 }
 
-/// C symbol of an amx kernel (BF16 or FP4 weights on AMX tiles).
+/// C symbol of an amx kernel (BF16, FP8 or FP4 weights on AMX tiles).
 pub fn amx_symbol(format: Format, shape: Option<&MatShape>) -> String {
     let tail = shape.map(|s| s.key()).unwrap_or_else(|| "generic".into());
     let f = match format {
         Format::Fp4 => "fp4",
+        Format::Fp8 => "fp8",
         _ => "bf16",
     };
     format!("bs_amx_{f}_{tail}")
