@@ -31,7 +31,7 @@ pub enum Bf16Act {
     /// Activations rounded to BF16, VDPBF16PS pair products (the bf16dot
     /// or fp8dot kernels; AVX-512 BF16 CPUs only).
     Bf16,
-    /// Products of 8 or more tokens with a BF16 matrix, of 4 or more
+    /// Products of 8 or more tokens with a BF16 matrix, of 3 or more
     /// with an FP8 one (prefill) on AMX tiles, activations rounded to BF16
     /// and FP8 weights decoded to BF16 exactly (the amx kernels; Intel
     /// CPUs with AMX-BF16); fewer tokens (decode) through the f32 kernels,
@@ -167,8 +167,14 @@ pub const AMX_MIN_TOKENS: usize = 8;
 pub const AMX_FP4_MIN_TOKENS: usize = 3;
 
 /// The fewest tokens an FP8 product takes to go to the amx kernels (with
-/// `--fp8-act amx`); measured as [`AMX_FP4_MIN_TOKENS`] was.
-pub const AMX_FP8_MIN_TOKENS: usize = 4;
+/// `--fp8-act amx`). The amx kernels' time hardly moves from 2 to 8
+/// tokens; the f32 FP8 kernels' grows with every tile of 4 tokens, and a
+/// leftover tile of 3 costs more than one of 4. Generic kernels, 1 thread,
+/// the Intel Xeon VM, median µs f32 / amx at 3 tokens: 2048 × 4096 1402 /
+/// 824, 4096 × 2048 1345 / 1003, 8192 × 1024 1430 / 1057; at 4 tokens 992
+/// / 827, 951 / 1024, 1020 / 1097; at 2 tokens 910 / 805, 893 / 995, 961 /
+/// 1072 (see the README's *The amx variant*).
+pub const AMX_FP8_MIN_TOKENS: usize = 3;
 
 /// Tokens per AMX token group (the columns of a sum tile).
 const AMX_GROUP: usize = 16;

@@ -196,7 +196,7 @@ pub struct NumericsArgs {
     /// exactly a BF16 value, the activations are rounded to BF16, VDPBF16PS
     /// pair products per 128-column scale block; not token-exact (definition
     /// and error bound in src/bf16act.rs, tested). Needs AVX512_BF16, as
-    /// `--bf16-act bf16` does. `amx`: products of 4 or more tokens (prefill)
+    /// `--bf16-act bf16` does. `amx`: products of 3 or more tokens (prefill)
     /// on Intel AMX tiles, each weight times its block's scale decoded once
     /// per call to a BF16 value (exact), activations rounded to BF16 (exact
     /// too under `--numerics deepseek`, whose activations are FP8 values

@@ -886,7 +886,7 @@ fn bf16_act_flag() {
 /// `--bf16-act amx` (BF16 prefill on AMX tiles) runs where the CPU has
 /// AMX-BF16, says so, moves the logits a little without changing most
 /// greedy choices, and leaves one-token decode as it was; where it cannot
-/// run, a clear error. `--fp8-act amx` is refused everywhere.
+/// run, a clear error.
 #[test]
 fn bf16_act_amx_flag() {
     // 19 tokens: a prefill the amx kernels take (8 or more).
@@ -915,42 +915,49 @@ fn bf16_act_amx_flag() {
             );
         }
     }
-    let (ok, _, err) = run(&words(
-        "run --model fixtures/tiny-dsv4 --fp8-act amx --max-new-tokens 1",
-    ));
-    assert!(
-        !ok && err.contains("--fp8-act amx") && err.contains("BF16 and FP4 weights only"),
-        "{err}"
-    );
 }
 
-/// `--fp4-act amx` (FP4 products of 3+ tokens on AMX tiles) runs on
-/// DeepSeek V4 where the CPU has AMX-BF16, says so and moves the logits a
-/// little; where it cannot run, a clear error.
-#[test]
-fn fp4_act_amx_flag() {
+/// `flag amx` (`--fp4-act` or `--fp8-act`: FP4 or FP8 products of 3+
+/// tokens on AMX tiles) runs on DeepSeek V4 where the CPU has AMX-BF16,
+/// says so (`says`) and moves the logits a little (JSON key `key`); where
+/// it cannot run, a clear error.
+fn check_dsv4_amx_flag(flag: &str, key: &str, says: &str) {
     let (_, ids) = ref_prompt("tiny-dsv4", 1);
     let score = |extra: &[&str]| score_last("tiny-dsv4", &ids, extra);
     let (ok, out32, err) = score(&[]);
     assert!(ok, "{err}");
-    let (ok, outx, err) = score(&["--fp4-act", "amx"]);
+    let (ok, outx, err) = score(&[flag, "amx"]);
     match bespoke::kernels::Kernels::amx_available() {
         Err(why) => {
             assert!(
-                !ok && err.contains("--fp4-act amx needs the amx kernels") && err.contains(&why),
+                !ok && err.contains(&format!("{flag} amx needs the amx kernels"))
+                    && err.contains(&why),
                 "{err}"
             );
             eprintln!("amx not available here ({why}): checked the error");
         }
         Ok(()) => {
             assert!(ok, "{err}");
-            let (ok, _, err) = run(&words(
-                "run --model fixtures/tiny-dsv4 --fp4-act amx --max-new-tokens 2",
-            ));
-            assert!(ok && err.contains("amx: FP4 products"), "{err}");
-            check_act_logits("fp4_act", &out32, &outx, "amx");
+            let (ok, _, err) = run(&words(&format!(
+                "run --model fixtures/tiny-dsv4 {flag} amx --max-new-tokens 2"
+            )));
+            assert!(ok && err.contains(says), "{err}");
+            check_act_logits(key, &out32, &outx, "amx");
         }
     }
+}
+
+/// `--fp4-act amx`: see check_dsv4_amx_flag.
+#[test]
+fn fp4_act_amx_flag() {
+    check_dsv4_amx_flag("--fp4-act", "fp4_act", "amx: FP4 products");
+}
+
+/// `--fp8-act amx` (DeepSeek V4's FP8 dense matrices): see
+/// check_dsv4_amx_flag.
+#[test]
+fn fp8_act_amx_flag() {
+    check_dsv4_amx_flag("--fp8-act", "fp8_act", "amx: FP8 products");
 }
 
 /// `--numerics deepseek` follows DeepSeek's inference code on DeepSeek V4

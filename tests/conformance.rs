@@ -1986,7 +1986,7 @@ fn amx_fp8_matches_its_reference() {
         .into_iter()
         .partition(|&(r, c)| r * c <= 1 << 20);
     shapes.extend(small);
-    let ns = [1, 3, 4, 16, 17, 33];
+    let ns = [1, 2, 3, 4, 16, 17, 33];
     random_sweep(&mut rng, Format::Fp8, &shapes, &ns, 17, "fp8amx", check_amx);
     check_amx_big(&mut rng, Format::Fp8, &big, 6);
     // Every code (NaN codes on row 0 only) at each edge scale: 32 rows of
@@ -1995,7 +1995,11 @@ fn amx_fp8_matches_its_reference() {
         let mut o = Owned::random(&mut rng, Format::Fp8, 32, 128);
         for (i, b) in o.b.iter_mut().enumerate() {
             let c = (i % 256) as u8;
-            *b = if c & 0x7F == 0x7F && i >= 128 { c ^ 1 } else { c };
+            *b = if c & 0x7F == 0x7F && i >= 128 {
+                c ^ 1
+            } else {
+                c
+            };
         }
         o.s[0] = sb;
         let x = rng.activations(5 * 128);

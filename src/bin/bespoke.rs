@@ -183,9 +183,9 @@ enum BenchWhat {
         /// attention-decode kernel at the shape set's attention shapes, one
         /// query against --context positions).
         /// Default: bf16,fp8,fp4,fp4q8,bf16dot,fp8dot,attn, and amx with
-        /// --tokens 8 or more (where --bf16-act amx uses it), fp8amx with
-        /// --tokens 4 or more and fp4amx with 3 or more (where --fp8-act amx
-        /// and --fp4-act amx use them).
+        /// --tokens 8 or more (where --bf16-act amx uses it), fp8amx and
+        /// fp4amx with --tokens 3 or more (where --fp8-act amx and --fp4-act
+        /// amx use them).
         #[arg(long, value_name = "LIST")]
         formats: Option<String>,
         /// Positions in the KV cache of the attn cases (keys and values f32,
