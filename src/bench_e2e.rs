@@ -132,6 +132,7 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
             m.dir.display()
         );
     }
+    page_in(&m);
     let read_buf = read_buffer(stream_bytes);
     let mut runs = Vec::new();
     for &t in &counts {
@@ -206,6 +207,41 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
         chunk: opts.chunk,
         runs,
     })
+}
+
+/// Bytes of memory the system can still give (Linux: `MemAvailable` in
+/// /proc/meminfo), if known.
+fn mem_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Before timing: read the weights once into the page cache where they fit
+/// in the memory available (a run right after a build, or after other big
+/// files, would otherwise time its first repeat's disk reads), and say so;
+/// where they do not fit, say that the timings include disk reads.
+fn page_in(m: &ModelDir) {
+    let bytes = m.weights.data_bytes();
+    let human = crate::inspect::human_bytes;
+    match mem_available() {
+        Some(avail) if bytes > avail / 10 * 9 => eprintln!(
+            "note: the weights ({}) do not fit in the memory available ({}): the operating \
+             system reads them from disk as tokens need them, and the timings include those reads",
+            human(bytes),
+            human(avail)
+        ),
+        _ => {
+            let t = std::time::Instant::now();
+            let mapped = m.weights.page_in();
+            eprintln!(
+                "weights paged in: {} in {:.1} s",
+                human(mapped),
+                t.elapsed().as_secs_f64()
+            );
+        }
+    }
 }
 
 /// One kernel choice's timings over the repeats.

@@ -650,6 +650,8 @@ fn bench_e2e_quick_writes_json() {
         err.contains("decode") && err.contains("% of read bandwidth"),
         "{err}"
     );
+    // The tiny model fits in memory: read into the page cache first.
+    assert!(err.contains("weights paged in:"), "{err}");
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let runs = v["runs"].as_array().unwrap();

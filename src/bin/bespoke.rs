@@ -95,7 +95,10 @@ enum BenchWhat {
     /// at 1 thread and all threads, the read bandwidth measured in the same
     /// run, and the fraction of it decode reaches (weight bytes read per
     /// token × tok/s ÷ bandwidth). Weights stay memory-mapped; use a model
-    /// larger than the last-level cache for a meaningful fraction.
+    /// larger than the last-level cache for a meaningful fraction. Before
+    /// timing, the weights are read once into the page cache when they fit
+    /// in the memory available; otherwise a note says that the timings
+    /// include disk reads.
     E2e {
         /// The model directory (default: the bundled fixtures/tiny-llama).
         #[arg(long, value_name = "DIR")]
