@@ -283,6 +283,16 @@ impl KernelError {
             _ => KernelError::NoBf16Dot(why),
         }
     }
+
+    /// The error for amx products on `format` weights that cannot run,
+    /// naming the option that asks for them.
+    fn no_amx(format: Format, why: String) -> KernelError {
+        match format {
+            Format::Fp8 => KernelError::NoAmxFp8(why),
+            Format::Fp4 => KernelError::NoAmxFp4(why),
+            _ => KernelError::NoAmx(why),
+        }
+    }
 }
 
 /// Weight data of a matrix, in one of the kernel formats.
@@ -747,7 +757,7 @@ impl Kernels {
     /// needs the amx kernels (see [`Kernels::amx_available`]).
     pub fn with_fp4_act(self, act: Fp4Act) -> Result<Kernels, KernelError> {
         if act == Fp4Act::Amx {
-            Self::amx_available().map_err(KernelError::NoAmxFp4)?;
+            Self::amx_available().map_err(|why| KernelError::no_amx(Format::Fp4, why))?;
         }
         Ok(Kernels {
             fp4_act: act,
@@ -781,10 +791,9 @@ impl Kernels {
             Bf16Act::Bf16 => {
                 Self::bf16dot_available().map_err(|why| KernelError::no_dot(format, why))?
             }
-            Bf16Act::Amx if format == Format::Fp8 => {
-                Self::amx_available().map_err(KernelError::NoAmxFp8)?
+            Bf16Act::Amx => {
+                Self::amx_available().map_err(|why| KernelError::no_amx(format, why))?
             }
-            Bf16Act::Amx => Self::amx_available().map_err(KernelError::NoAmx)?,
             Bf16Act::F32 => {}
         }
         match format {
@@ -931,7 +940,7 @@ impl Kernels {
         x: &AmxX,
         y: &mut [f32],
     ) -> Result<impl Fn(usize, usize) + Sync + Send + Copy, KernelError> {
-        Self::amx_available().map_err(KernelError::NoAmx)?;
+        Self::amx_available().map_err(|why| KernelError::no_amx(m.format(), why))?;
         if !matches!(m.format(), Format::Bf16 | Format::Fp8 | Format::Fp4) {
             return Err(KernelError::Shape(format!(
                 "the amx kernels take BF16, FP8 or FP4 weights, not {}",
@@ -976,11 +985,11 @@ impl Kernels {
             // ceil(rows/128)×ceil(cols/128) scale bytes, or for FP4
             // rows×cols/2 code bytes and rows×cols/32 scale bytes (cols a
             // multiple of 32), and the kernel is for that format (checked
-            // above; the BF16 kernels do not read s, null here); x holds the pair layout for n tokens
-            // of cols columns (length checked above) and y n×rows; the
-            // kernel's shape matches; the callers pass 0 <= r0 <= r1 <= rows,
-            // and concurrent calls write disjoint rows of every token's
-            // output.
+            // above; the BF16 kernels do not read s, null here); x holds
+            // the pair layout for n tokens of cols columns (length checked
+            // above) and y n×rows; the kernel's shape matches; the callers
+            // pass 0 <= r0 <= r1 <= rows, and concurrent calls write
+            // disjoint rows of every token's output.
             unsafe { f(wp.0, sp.0, xp.0, yp.0, rows, cols, n, r0, r1) }
         })
     }
@@ -995,7 +1004,7 @@ impl Kernels {
     ) -> Result<(), KernelError> {
         let k = self
             .amx_kernel(m.format(), m.rows, m.cols)
-            .ok_or_else(|| KernelError::NoAmx("this build has none".into()))?;
+            .ok_or_else(|| KernelError::no_amx(m.format(), "this build has none".into()))?;
         // One buffer per thread, reused across calls; a nested call on the
         // same thread (a rayon worker taking another task while it waits)
         // finds it in use and packs into its own.
