@@ -228,6 +228,44 @@ fn bench_kernels_quick_json_plot_and_compare() {
     }
 }
 
+/// `bench kernels --formats amx,fp8amx,fp4amx` on DeepSeek V4's shapes
+/// (BF16, FP8 and FP4 matrices): rows for each, beside the f32 kernels of
+/// the same matrices, where the CPU has AMX; else a line says why not.
+#[test]
+fn bench_kernels_amx_formats() {
+    let path = tmp("bench", "amx.json");
+    let (ok, out, err) = run(&words(&format!(
+        "bench kernels --quick --threads 1 --model fixtures/tiny-dsv4 --tokens 3 \
+         --formats bf16,fp8,fp4,amx,fp8amx,fp4amx --json {path}"
+    )));
+    assert!(ok, "{err}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let formats: Vec<&str> = v["kernels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["format"].as_str().unwrap())
+        .collect();
+    for f in ["bf16", "fp8", "fp4"] {
+        assert!(formats.contains(&f), "{f}: {formats:?}");
+    }
+    match bespoke::kernels::Kernels::amx_available() {
+        Ok(()) => {
+            for f in ["amx", "fp8amx", "fp4amx"] {
+                assert!(formats.contains(&f), "{f}: {formats:?}");
+            }
+            assert!(out.contains("fp8 with f32 activations"), "{out}");
+        }
+        Err(why) => {
+            for f in ["amx", "fp8amx", "fp4amx"] {
+                assert!(err.contains(&format!("{f} not timed: {why}")), "{err}");
+            }
+        }
+    }
+    std::fs::remove_file(path).ok();
+}
+
 /// `bench kernels --model DIR` times that model's shapes; `--shapes
 /// dsv4-flash` every matrix of the built-in Flash config.
 #[test]
