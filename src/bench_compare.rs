@@ -247,6 +247,8 @@ fn compare_e2e(a: &Run, b: &Run, out: &mut String) -> Result<(), String> {
         "fp8_act",
         "prompt_len",
         "gen",
+        "chunk",
+        "weights_paged_in",
     ] {
         let (x, y) = (text(&a.v, f), text(&b.v, f));
         if x != y {

@@ -54,11 +54,11 @@ pub struct E2eResults {
     pub model: String,
     pub family: String,
     pub kernels: String,
-    /// "f32" or "q8" (the fp4×q8 variant).
+    /// "f32", "q8" (the fp4×q8 variant) or "amx".
     pub fp4_act: String,
-    /// "f32" or "bf16" (the bf16dot variant).
+    /// "f32", "bf16" (the bf16dot variant) or "amx".
     pub bf16_act: String,
-    /// "f32" or "bf16" (the fp8dot variant).
+    /// "f32", "bf16" (the fp8dot variant) or "amx".
     pub fp8_act: String,
     pub specialised_matrices: (usize, usize),
     pub cpu: String,
@@ -68,6 +68,10 @@ pub struct E2eResults {
     pub prompt_len: usize,
     pub gen: usize,
     pub chunk: usize,
+    /// Whether the weights were read into the page cache before timing
+    /// (they fit in the memory available); if not, the timings include
+    /// disk reads.
+    pub weights_paged_in: bool,
     pub runs: Vec<E2eRun>,
 }
 
@@ -132,7 +136,7 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
             m.dir.display()
         );
     }
-    page_in(&m);
+    let paged_in = page_in(&m);
     let read_buf = read_buffer(stream_bytes);
     let mut runs = Vec::new();
     for &t in &counts {
@@ -205,6 +209,7 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
         prompt_len: opts.prompt_len,
         gen: opts.gen,
         chunk: opts.chunk,
+        weights_paged_in: paged_in,
         runs,
     })
 }
@@ -221,17 +226,22 @@ fn mem_available() -> Option<u64> {
 /// Before timing: read the weights once into the page cache where they fit
 /// in the memory available (a run right after a build, or after other big
 /// files, would otherwise time its first repeat's disk reads), and say so;
-/// where they do not fit, say that the timings include disk reads.
-fn page_in(m: &ModelDir) {
+/// where they do not fit, say that the timings include disk reads. Returns
+/// whether it read them.
+fn page_in(m: &ModelDir) -> bool {
     let bytes = m.weights.data_bytes();
     let human = crate::inspect::human_bytes;
     match mem_available() {
-        Some(avail) if bytes > avail / 10 * 9 => eprintln!(
-            "note: the weights ({}) do not fit in the memory available ({}): the operating \
-             system reads them from disk as tokens need them, and the timings include those reads",
-            human(bytes),
-            human(avail)
-        ),
+        Some(avail) if bytes > avail / 10 * 9 => {
+            eprintln!(
+                "note: the weights ({}) do not fit in the memory available ({}): the operating \
+                 system reads them from disk as tokens need them, and the timings include those \
+                 reads",
+                human(bytes),
+                human(avail)
+            );
+            false
+        }
         _ => {
             let t = std::time::Instant::now();
             let mapped = m.weights.page_in();
@@ -240,6 +250,7 @@ fn page_in(m: &ModelDir) {
                 human(mapped),
                 t.elapsed().as_secs_f64()
             );
+            true
         }
     }
 }

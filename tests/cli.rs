@@ -702,6 +702,7 @@ fn bench_e2e_quick_writes_json() {
     }
     assert!(v["bytes_per_decode_token"].as_u64().unwrap() > 0);
     assert_eq!(v["fp4_act"], "f32");
+    assert_eq!(v["weights_paged_in"], true);
     let (ok, out, err) = run(&["bench", "compare", p, p]);
     assert!(
         ok && out.contains("decode") && out.contains("1.00x"),
