@@ -111,6 +111,15 @@ enum Kern {
     Amx(&'static crate::kernels::AmxKernel),
 }
 
+/// The `--formats` name of the amx variant on `format` matrices.
+fn amx_label(format: Format) -> &'static str {
+    match format {
+        Format::Fp8 => "fp8amx",
+        Format::Fp4 => "fp4amx",
+        _ => "amx",
+    }
+}
+
 /// How a case's activations meet the weights.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Act {
@@ -1092,14 +1101,15 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             Err(why) => eprintln!("{} not timed: {why}", crate::plan::dot_family(f)),
         }
     }
-    for (on, f, name) in [
-        (opts.amx, Format::Bf16, "amx"),
-        (opts.fp8_amx, Format::Fp8, "fp8amx"),
-        (opts.fp4_amx, Format::Fp4, "fp4amx"),
+    for (on, f) in [
+        (opts.amx, Format::Bf16),
+        (opts.fp8_amx, Format::Fp8),
+        (opts.fp4_amx, Format::Fp4),
     ] {
         if !on {
             continue;
         }
+        let name = amx_label(f);
         match Kernels::amx_available() {
             Ok(()) => all.extend(
                 shape_cases(&opts.shapes, &[f])?
@@ -1130,9 +1140,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             Act::F32 => format.to_string(),
             Act::Q8 => "fp4q8".to_string(),
             Act::Dot => crate::plan::dot_family(format).to_string(),
-            Act::Amx if format == Format::Fp4 => "fp4amx".to_string(),
-            Act::Amx if format == Format::Fp8 => "fp8amx".to_string(),
-            Act::Amx => "amx".to_string(),
+            Act::Amx => amx_label(format).to_string(),
         };
         let one = make_weights(format, rows, cols, ci as u64 + 1, opts.weight_offset);
         let bytes = matrix(format, rows, cols, &one).bytes();

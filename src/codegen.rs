@@ -655,16 +655,13 @@ pub fn build() -> BuildResult<()> {
         // into the same tiles), so that bs_amx_init is defined once.
         let mut formats = Vec::new();
         let mut rows_of = Vec::new();
-        for (f, id) in [
-            (Format::Bf16, "AMX_BF16"),
-            (Format::Fp8, "AMX_FP8"),
-            (Format::Fp4, "AMX_FP4"),
-        ] {
+        for f in [Format::Bf16, Format::Fp8, Format::Fp4] {
             let generic = plan::amx_symbol(f, None);
             let shapes = shape_symbols(&the_plan, f, |s| plan::amx_symbol(f, Some(s)));
             formats.push(serde_json::json!({
                 "name": f.name(),
-                "id": id,
+                // the template's AMX_BF16, AMX_FP8, AMX_FP4
+                "id": format!("AMX_{}", f.name().to_uppercase()),
                 "generic": generic,
                 "shapes": shapes,
             }));

@@ -119,31 +119,22 @@ fn banner(m: &ModelDir, k: &Kernels, reason: &str, ctx: usize) {
             "fp4×q8: FP4 products use int8 activations (--fp4-act q8): faster, not token-exact"
         );
     }
-    if k.fp4_act() == crate::q8::Fp4Act::Amx && has_format(m, "FP4") {
-        eprintln!(
-            "amx: FP4 products of {}+ tokens (prefill, expert batches) on AMX tiles with BF16 activations (--fp4-act amx): faster prefill, not token-exact; fewer (decode) stay f32",
-            crate::bf16act::AMX_FP4_MIN_TOKENS
-        );
-    }
     if k.bf16_act() == crate::bf16act::Bf16Act::Bf16 && has_format(m, "BF16") {
         eprintln!(
             "bf16dot: BF16 products use BF16 activations (--bf16-act bf16): faster prefill, not token-exact"
         );
     }
-    if k.bf16_act() == crate::bf16act::Bf16Act::Amx && has_format(m, "BF16") {
-        eprintln!(
-            "amx: BF16 products of {}+ tokens (prefill) on AMX tiles with BF16 activations (--bf16-act amx): faster prefill, not token-exact; fewer (decode) stay f32",
-            crate::bf16act::AMX_MIN_TOKENS
-        );
-    }
     if k.fp8_act() == crate::bf16act::Bf16Act::Bf16 && has_format(m, "FP8") {
         eprintln!("fp8dot: FP8 products use BF16 activations (--fp8-act bf16): not token-exact");
     }
-    if k.fp8_act() == crate::bf16act::Bf16Act::Amx && has_format(m, "FP8") {
-        eprintln!(
-            "amx: FP8 products of {}+ tokens (prefill) on AMX tiles with BF16 activations (--fp8-act amx): faster prefill, not token-exact; fewer (decode) stay f32",
-            crate::bf16act::AMX_FP8_MIN_TOKENS
-        );
+    for f in [Format::Bf16, Format::Fp8, Format::Fp4] {
+        let name = f.name().to_uppercase();
+        if let Some(min) = k.amx_min_tokens(f).filter(|_| has_format(m, &name)) {
+            eprintln!(
+                "amx: {name} products of {min}+ tokens (prefill) on AMX tiles with BF16 activations (--{}-act amx): faster prefill, not token-exact; fewer (decode) stay f32",
+                f.name()
+            );
+        }
     }
 }
 

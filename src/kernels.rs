@@ -1149,6 +1149,19 @@ impl Kernels {
         }
     }
 
+    /// Where `format` matrices go to the amx kernels (`--bf16-act amx`,
+    /// `--fp8-act amx`, `--fp4-act amx`): the fewest tokens a product takes
+    /// to go there.
+    pub fn amx_min_tokens(&self, format: Format) -> Option<usize> {
+        use crate::bf16act::{AMX_FP4_MIN_TOKENS, AMX_FP8_MIN_TOKENS, AMX_MIN_TOKENS};
+        match format {
+            Format::Bf16 if self.bf16_act == Bf16Act::Amx => Some(AMX_MIN_TOKENS),
+            Format::Fp8 if self.fp8_act == Bf16Act::Amx => Some(AMX_FP8_MIN_TOKENS),
+            Format::Fp4 if self.fp4_act == Fp4Act::Amx => Some(AMX_FP4_MIN_TOKENS),
+            _ => None,
+        }
+    }
+
     /// Y = W X through the bf16dot or fp8dot kernels (X rounded to BF16 here).
     fn matmul_bf16dot(
         &self,
@@ -1439,22 +1452,7 @@ impl Kernels {
         if self.dot_act(m.format()) {
             return self.matmul_bf16dot(m, x, n, y);
         }
-        if self.bf16_act == Bf16Act::Amx
-            && m.format() == Format::Bf16
-            && n >= crate::bf16act::AMX_MIN_TOKENS
-        {
-            return self.matmul_amx(m, x, n, y);
-        }
-        if self.fp4_act == Fp4Act::Amx
-            && m.format() == Format::Fp4
-            && n >= crate::bf16act::AMX_FP4_MIN_TOKENS
-        {
-            return self.matmul_amx(m, x, n, y);
-        }
-        if self.fp8_act == Bf16Act::Amx
-            && m.format() == Format::Fp8
-            && n >= crate::bf16act::AMX_FP8_MIN_TOKENS
-        {
+        if self.amx_min_tokens(m.format()).is_some_and(|min| n >= min) {
             return self.matmul_amx(m, x, n, y);
         }
         self.matmul_with(self.mat_kernel(m.format(), m.rows, m.cols), m, x, n, y)

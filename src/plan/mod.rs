@@ -1042,12 +1042,7 @@ pub fn dot_symbol(format: Format, shape: Option<&MatShape>) -> String {
 /// C symbol of an amx kernel (BF16, FP8 or FP4 weights on AMX tiles).
 pub fn amx_symbol(format: Format, shape: Option<&MatShape>) -> String {
     let tail = shape.map(|s| s.key()).unwrap_or_else(|| "generic".into());
-    let f = match format {
-        Format::Fp4 => "fp4",
-        Format::Fp8 => "fp8",
-        _ => "bf16",
-    };
-    format!("bs_amx_{f}_{tail}")
+    format!("bs_amx_{}_{tail}", format.name())
 }
 
 /// C symbol of an attention kernel.
