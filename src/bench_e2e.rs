@@ -16,7 +16,9 @@ pub struct E2eOptions {
     pub gen: usize,
     pub threads: usize,
     pub quick: bool,
-    pub chunk: usize,
+    /// Prompt tokens per prefill step (`None`: the engine's default, see
+    /// [`crate::generate::AnyModel::default_chunk`]).
+    pub chunk: Option<usize>,
     /// Also time the model on the generic kernels only, each repeat beside
     /// the specialised one (`--vs-generic`).
     pub vs_generic: bool,
@@ -94,6 +96,7 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
         );
     }
     let mut eng = crate::commands::engine(&m, k, opts.num)?;
+    let chunk = opts.chunk.unwrap_or_else(|| eng.default_chunk());
     let vocab = eng.vocab();
     let ctx = opts.prompt_len + opts.gen;
     if ctx > m.config.max_position_embeddings {
@@ -120,7 +123,7 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
         crate::inspect::human_bytes(m.weights.data_bytes()),
         per_token.map_or("(not known for this engine)".into(), crate::inspect::human_bytes),
         opts.prompt_len,
-        opts.chunk,
+        chunk,
         opts.gen,
         reps
     );
@@ -155,7 +158,7 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
                 };
                 for &spec in order {
                     eng.set_specialised(spec);
-                    samples[usize::from(!spec)].time(&eng, &prompt, opts, ctx, vocab)?;
+                    samples[usize::from(!spec)].time(&eng, &prompt, chunk, opts.gen, ctx)?;
                 }
             }
             eng.set_specialised(true);
@@ -208,7 +211,7 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
         bytes_per_decode_token: per_token,
         prompt_len: opts.prompt_len,
         gen: opts.gen,
-        chunk: opts.chunk,
+        chunk,
         weights_paged_in: paged_in,
         runs,
     })
@@ -269,29 +272,30 @@ impl Samples {
         &mut self,
         eng: &crate::generate::AnyModel<'_>,
         prompt: &[u32],
-        opts: &E2eOptions,
+        chunk: usize,
+        gen: usize,
         ctx: usize,
-        vocab: usize,
     ) -> Result<(), String> {
+        let vocab = eng.vocab();
         let mut cache = eng.new_cache(ctx).map_err(|e| e.to_string())?;
         let t0 = Instant::now();
         let logits = eng
-            .prefill(&mut cache, prompt, opts.chunk, false)
+            .prefill(&mut cache, prompt, chunk, false)
             .map_err(|e| e.to_string())?;
         let mut next = argmax(&logits[logits.len() - vocab..]);
         let first = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        for _ in 1..opts.gen {
+        for _ in 1..gen {
             let l = eng
                 .prefill(&mut cache, &[next], 1, false)
                 .map_err(|e| e.to_string())?;
             next = argmax(&l);
         }
         let d = t1.elapsed().as_secs_f64();
-        self.prefill.push(opts.prompt_len as f64 / first);
+        self.prefill.push(prompt.len() as f64 / first);
         self.ttft.push(first * 1e3);
-        if opts.gen > 1 {
-            self.decode.push((opts.gen - 1) as f64 / d);
+        if gen > 1 {
+            self.decode.push((gen - 1) as f64 / d);
         }
         Ok(())
     }

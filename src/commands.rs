@@ -138,6 +138,31 @@ fn banner(m: &ModelDir, k: &Kernels, reason: &str, ctx: usize) {
     }
 }
 
+/// `--chunk`: a whole number of tokens, 1 or more.
+pub fn parse_chunk(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!(
+            "expected a number of tokens, 1 or more (got {s:?})"
+        )),
+    }
+}
+
+/// The prefill step: `asked` (`--chunk`), else the engine's default, which
+/// is said (when `say`) where it is not the usual one and a prompt of
+/// `tokens` tokens would take more than one usual step.
+pub fn prefill_chunk(eng: &AnyModel, asked: Option<usize>, tokens: usize, say: bool) -> usize {
+    asked.unwrap_or_else(|| {
+        let n = eng.default_chunk();
+        if say && n != generate::DEFAULT_CHUNK && tokens > generate::DEFAULT_CHUNK {
+            eprintln!(
+                "prefill: steps of {n} tokens, as the routed experts run on the amx kernels (--chunk to change)"
+            );
+        }
+        n
+    })
+}
+
 /// `--numerics`: see [`crate::engine::dsv4::Numerics`].
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NumericsArg {
@@ -345,12 +370,15 @@ pub struct RunArgs {
     /// Prompt tokens per prefill step (small-batch matmul width). Every step
     /// reads every weight once, so larger steps prefill faster (256 against
     /// 64: 10-14 % on a 2-vCPU Zen 5) at the cost of activations held for
-    /// that many tokens. With the amx kernels on a MoE model (--fp4-act amx
-    /// --fp8-act amx) each expert's weights are decoded once per step for
-    /// the few tokens routed to it, so larger steps gain more: 512 against
-    /// 256, 1.33-1.45x prefill on a DeepSeek V4 Flash-shaped checkpoint.
-    #[arg(long, value_name = "N", default_value_t = 256)]
-    pub chunk: usize,
+    /// that many tokens. Default: 256; 1024 where a MoE model's routed
+    /// experts run on the amx kernels (--fp4-act amx on DeepSeek V4,
+    /// --bf16-act amx on a BF16 Qwen3-MoE): each step decodes every expert's
+    /// weights once for the few tokens routed to it, so longer steps share
+    /// that work (a 1024-token prompt on a DeepSeek V4 Flash-shaped
+    /// checkpoint with --fp4-act amx --fp8-act amx: 1.5-1.7x the prefill of
+    /// steps of 256, for about 0.4 GB more activations).
+    #[arg(long, value_name = "N", value_parser = crate::commands::parse_chunk)]
+    pub chunk: Option<usize>,
     #[command(flatten)]
     pub num: NumericsArgs,
     /// Print one JSON object on stdout: prompt_ids, new_ids, text, stop_reason, kernels, timings.
@@ -450,7 +478,7 @@ pub fn run(a: RunArgs) -> Result<(), String> {
         sampling,
         ignore_eos: a.ignore_eos,
         stop: a.stop.clone(),
-        chunk: a.chunk,
+        chunk: prefill_chunk(&eng, a.chunk, prompt_ids.len(), true),
         eos: generate::eos_ids(&m),
     };
     let stream = !a.json && tok.is_some();
@@ -523,9 +551,9 @@ pub struct ScoreArgs {
     /// Also print logits: `last` = the last position's.
     #[arg(long, value_name = "WHICH", value_parser = ["last"])]
     pub logits: Option<String>,
-    /// Prompt tokens per prefill step (see `run --chunk`).
-    #[arg(long, value_name = "N", default_value_t = 256)]
-    pub chunk: usize,
+    /// Prompt tokens per prefill step (see `run --chunk`; the same default).
+    #[arg(long, value_name = "N", value_parser = crate::commands::parse_chunk)]
+    pub chunk: Option<usize>,
     #[command(flatten)]
     pub num: NumericsArgs,
     /// Print {"ids", "argmax", "last_logits"?} as JSON.
@@ -558,7 +586,12 @@ pub fn score(a: ScoreArgs) -> Result<(), String> {
     }
     let mut cache = eng.new_cache(ids.len()).map_err(|e| e.to_string())?;
     let logits = eng
-        .prefill(&mut cache, &ids, a.chunk, true)
+        .prefill(
+            &mut cache,
+            &ids,
+            prefill_chunk(&eng, a.chunk, ids.len(), !a.json),
+            true,
+        )
         .map_err(|e| e.to_string())?;
     let vocab = eng.vocab();
     let am: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();

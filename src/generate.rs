@@ -54,6 +54,13 @@ impl<'m> CausalLm for crate::engine::llama::LlamaModel<'m> {
     }
 }
 
+/// Prompt tokens per prefill step by default (`--chunk`).
+pub const DEFAULT_CHUNK: usize = 256;
+
+/// The default step where a MoE model's routed experts run on the amx
+/// kernels (see [`AnyModel::default_chunk`]).
+pub const AMX_MOE_CHUNK: usize = 1024;
+
 /// Any engine, chosen by the model's family. (One per process: boxing the
 /// larger variant would save nothing.)
 #[allow(clippy::large_enum_variant)]
@@ -119,6 +126,38 @@ impl<'m> AnyModel<'m> {
         match self {
             AnyModel::Llama(m) => m.placement_items(),
             AnyModel::Dsv4(m) => m.placement_items(),
+        }
+    }
+
+    /// The kernels the engine runs on.
+    pub fn kernels(&self) -> &crate::kernels::Kernels {
+        match self {
+            AnyModel::Llama(m) => &m.kernels,
+            AnyModel::Dsv4(m) => &m.kernels,
+        }
+    }
+
+    /// The weight format of the routed experts (`None`: a dense model).
+    pub fn expert_format(&self) -> Option<crate::plan::Format> {
+        self.placement_items()
+            .into_iter()
+            .filter(|(item, _)| matches!(item, crate::placement::Item::Expert { .. }))
+            .find_map(|(_, mats)| {
+                mats.first()
+                    .and_then(|m| m.matrix().ok())
+                    .map(|m| m.format())
+            })
+    }
+
+    /// Prompt tokens per prefill step where none is asked for (`--chunk`):
+    /// [`DEFAULT_CHUNK`], or [`AMX_MOE_CHUNK`] where the routed experts go to
+    /// the amx kernels. Each step decodes every expert's weights once into
+    /// tiles for the few tokens routed to it, so longer steps share that
+    /// decoding among more tokens; the f32 kernels gain nothing from it.
+    pub fn default_chunk(&self) -> usize {
+        match self.expert_format() {
+            Some(f) if self.kernels().amx_min_tokens(f).is_some() => AMX_MOE_CHUNK,
+            _ => DEFAULT_CHUNK,
         }
     }
 

@@ -703,6 +703,7 @@ fn bench_e2e_quick_writes_json() {
     assert!(v["bytes_per_decode_token"].as_u64().unwrap() > 0);
     assert_eq!(v["fp4_act"], "f32");
     assert_eq!(v["weights_paged_in"], true);
+    assert_eq!(v["chunk"], 256, "the default prefill step");
     let (ok, out, err) = run(&["bench", "compare", p, p]);
     assert!(
         ok && out.contains("decode") && out.contains("1.00x"),
@@ -717,6 +718,46 @@ fn bench_e2e_quick_writes_json() {
         "{err}"
     );
     std::fs::remove_file(&path).ok();
+}
+
+/// Without `--chunk`, a MoE model whose routed experts run on the amx
+/// kernels prefills in steps of 1024 tokens, and says so where a prompt
+/// would have taken more than one step of 256; other runs, and any run with
+/// `--chunk`, keep quiet. (Which step each engine picks: engine.rs,
+/// default_prefill_chunk.)
+#[test]
+fn amx_moe_prefill_step() {
+    let ids: Vec<String> = (0..300).map(|i| (7 + i * 13 % 500).to_string()).collect();
+    let ids = ids.join(",");
+    let says = "prefill: steps of 1024 tokens";
+    let score = |extra: &[&str]| {
+        let (ok, _, err) = run(&[
+            &["score", "--model", "fixtures/tiny-qwen3-moe", "--ids", &ids][..],
+            extra,
+        ]
+        .concat());
+        assert!(ok, "{err}");
+        err
+    };
+    assert!(!score(&[]).contains(says));
+    match bespoke::kernels::Kernels::amx_available() {
+        Err(why) => eprintln!("amx not available here ({why}): checked the f32 run only"),
+        Ok(()) => {
+            let err = score(&["--bf16-act", "amx"]);
+            assert!(err.contains(says), "{err}");
+            assert!(!score(&["--bf16-act", "amx", "--chunk", "256"]).contains(says));
+        }
+    }
+    let (ok, _, err) = run(&[
+        "score",
+        "--model",
+        "fixtures/tiny-qwen3-moe",
+        "--ids",
+        "1,2",
+        "--chunk",
+        "0",
+    ]);
+    assert!(!ok && err.contains("1 or more"), "{err}");
 }
 
 /// `run` and `score` on DeepSeek V4 (release naming, FP8/FP4): the

@@ -185,3 +185,46 @@ fn generic_kernels_give_the_specialised_logits_bit_for_bit() {
         }
     }
 }
+
+/// The prefill step when `--chunk` is not given: 256, or 1024 where a MoE
+/// model's routed experts run on the amx kernels (their weights are decoded
+/// once a step for the few tokens routed to each, so longer steps share
+/// that work); dense models, and MoE models whose experts stay on the f32
+/// kernels, keep 256 whatever else runs on amx.
+#[test]
+fn default_prefill_chunk() {
+    use bespoke::bf16act::Bf16Act;
+    use bespoke::generate::{AnyModel, AMX_MOE_CHUNK, DEFAULT_CHUNK};
+    use bespoke::plan::Format;
+    use bespoke::q8::Fp4Act;
+    let best = Kernels::best();
+    // (kernels, what): every amx option alone, where this CPU has AMX
+    let mut amx: Vec<(Kernels, Format)> = Vec::new();
+    match Kernels::amx_available() {
+        Ok(()) => {
+            amx.push((best.with_bf16_act(Bf16Act::Amx).unwrap(), Format::Bf16));
+            amx.push((best.with_fp8_act(Bf16Act::Amx).unwrap(), Format::Fp8));
+            amx.push((best.with_fp4_act(Fp4Act::Amx).unwrap(), Format::Fp4));
+        }
+        Err(why) => eprintln!("amx not available here ({why}): only the f32 defaults checked"),
+    }
+    for (name, experts) in [
+        ("tiny-llama", None),
+        ("tiny-qwen3-moe", Some(Format::Bf16)),
+        ("tiny-dsv4", Some(Format::Fp4)),
+    ] {
+        let (m, _) = fixture(name);
+        let eng = AnyModel::load(&m, best).unwrap();
+        assert_eq!(eng.expert_format(), experts, "{name}");
+        assert_eq!(eng.default_chunk(), DEFAULT_CHUNK, "{name}, f32 kernels");
+        for &(k, on) in &amx {
+            let eng = AnyModel::load(&m, k).unwrap();
+            let want = if experts == Some(on) {
+                AMX_MOE_CHUNK
+            } else {
+                DEFAULT_CHUNK
+            };
+            assert_eq!(eng.default_chunk(), want, "{name}, {} on amx", on.name());
+        }
+    }
+}

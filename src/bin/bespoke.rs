@@ -109,9 +109,9 @@ enum BenchWhat {
         /// Tokens to generate (greedy).
         #[arg(long, value_name = "N", default_value_t = 32)]
         gen: usize,
-        /// Prompt tokens per prefill step (see `run --chunk`).
-        #[arg(long, value_name = "N", default_value_t = 256)]
-        chunk: usize,
+        /// Prompt tokens per prefill step (see `run --chunk`; the same default).
+        #[arg(long, value_name = "N", value_parser = bespoke::commands::parse_chunk)]
+        chunk: Option<usize>,
         /// Thread count for the "all threads" runs (default: physical cores).
         #[arg(long, value_name = "N")]
         threads: Option<usize>,
