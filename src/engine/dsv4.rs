@@ -20,7 +20,7 @@
 //! token's own values in a fixed order, so decoding token by token through
 //! [`Dsv4Cache`] gives bit for bit the logits of a full recompute.
 
-use super::{rms_norm, vector, EngineError, Mat, Rope};
+use super::{rms_norm, scratch, vector, EngineError, Mat, Rope};
 use crate::kernels::{AttnArgs, Kernels, Matrix, Weights};
 use crate::model::layout::{dsv4_attn_kind, dsv4_release_to_hf, AttnKind, Naming};
 use crate::model::ModelDir;
@@ -846,7 +846,7 @@ impl<'m> Dsv4Model<'m> {
     fn hc_weights(&self, hc: &Hc, x: &[f32], n: usize) -> Result<HcMix, EngineError> {
         let (s, w) = (self.hc, self.hc * self.d);
         let mix = (2 + s) * s;
-        let mut normed = x.to_vec();
+        let mut normed = scratch::copy_of(x);
         for row in normed.chunks_exact_mut(w) {
             rms_unweighted(row, self.eps);
         }
@@ -895,9 +895,9 @@ impl<'m> Dsv4Model<'m> {
     }
 
     /// Σ_i pre_i · stream_i per token: [n, hc, D] → [n, D].
-    fn collapse(&self, pre: &[f32], x: &[f32], n: usize) -> Vec<f32> {
+    fn collapse(&self, pre: &[f32], x: &[f32], n: usize) -> scratch::Buf {
         let (s, d) = (self.hc, self.d);
-        let mut y = vec![0.0f32; n * d];
+        let mut y = scratch::stale(n * d);
         for t in 0..n {
             let out = &mut y[t * d..(t + 1) * d];
             for i in 0..s {
@@ -954,7 +954,7 @@ impl<'m> Dsv4Model<'m> {
         }
         let (d, s) = (self.d, self.hc);
         // The residual: hc copies of the embedding per token.
-        let mut x = vec![0.0f32; n * s * d];
+        let mut x = scratch::stale(n * s * d);
         let mut row = vec![0.0f32; d];
         for (t, &id) in tokens.iter().enumerate() {
             if id as usize >= self.vocab {
@@ -988,7 +988,7 @@ impl<'m> Dsv4Model<'m> {
         let first = if all_logits { 0 } else { n - 1 };
         let m = n - first;
         let xs = &x[first * s * d..];
-        let mut normed = xs.to_vec();
+        let mut normed = scratch::copy_of(xs);
         for r in normed.chunks_exact_mut(s * d) {
             rms_unweighted(r, self.eps);
         }
@@ -1021,7 +1021,7 @@ impl<'m> Dsv4Model<'m> {
         a: &[f32],
         n: usize,
         pos0: usize,
-    ) -> Result<Vec<f32>, EngineError> {
+    ) -> Result<scratch::Buf, EngineError> {
         let k = &self.kernels;
         let (d, h, hd) = (self.d, self.heads, self.head_dim);
         let rope = if l.kind == AttnKind::Sliding {
@@ -1031,12 +1031,12 @@ impl<'m> Dsv4Model<'m> {
         };
         let qr = l.wq_a.rows;
         // q_residual = q_norm(wq_a a), shared with the indexer.
-        let mut q_res = vec![0.0f32; n * qr];
+        let mut q_res = scratch::stale(n * qr);
         l.wq_a.apply_q(k, a, n, &mut q_res, self.aq())?;
         rms_norm(&mut q_res, &l.q_norm, self.eps);
-        let mut q = vec![0.0f32; n * h * hd];
+        let mut q = scratch::stale(n * h * hd);
         l.wq_b.apply_q(k, &q_res, n, &mut q, self.aq())?;
-        let mut kv = vec![0.0f32; n * hd];
+        let mut kv = scratch::stale(n * hd);
         l.wkv.apply_q(k, a, n, &mut kv, self.aq())?;
         rms_norm(&mut kv, &l.kv_norm, self.eps);
         let mut tbl = Vec::new();
@@ -1049,9 +1049,9 @@ impl<'m> Dsv4Model<'m> {
             rope.rotate(&mut kv[t * hd..(t + 1) * hd], &tbl, false);
         }
         // Compressor (and indexer) projections of every token.
-        let proj = |c: &Compressor| -> Result<(Vec<f32>, Vec<f32>), EngineError> {
-            let mut kvp = vec![0.0f32; n * c.width()];
-            let mut gp = vec![0.0f32; n * c.width()];
+        let proj = |c: &Compressor| -> Result<(scratch::Buf, scratch::Buf), EngineError> {
+            let mut kvp = scratch::stale(n * c.width());
+            let mut gp = scratch::stale(n * c.width());
             c.wkv.apply_q(k, a, n, &mut kvp, self.aq())?;
             c.wgate.apply_q(k, a, n, &mut gp, self.aq())?;
             Ok((kvp, gp))
@@ -1061,7 +1061,7 @@ impl<'m> Dsv4Model<'m> {
         let index_proj = match &l.indexer {
             Some(ix) => {
                 let (ikv, ig) = proj(&ix.comp)?;
-                let mut iq = vec![0.0f32; n * ih * id];
+                let mut iq = scratch::stale(n * ih * id);
                 ix.wq_b.apply_q(k, &q_res, n, &mut iq, self.aq())?;
                 for t in 0..n {
                     self.rope_comp.table(pos0 + t, &mut tbl);
@@ -1080,7 +1080,7 @@ impl<'m> Dsv4Model<'m> {
         let scale = (hd as f64).powf(-0.5) as f32;
         let softmax_scale = (id as f64).powf(-0.5) as f32;
         let w = self.window;
-        let mut att = vec![0.0f32; n * h * hd];
+        let mut att = scratch::stale(n * h * hd);
         let mut keys: Vec<f32> = Vec::new();
         let mut scores: Vec<f32> = Vec::new();
         let mut dots: Vec<f32> = Vec::new();
@@ -1168,8 +1168,8 @@ impl<'m> Dsv4Model<'m> {
         // Grouped wo_a: group g reads heads g·H/G .. (g+1)·H/G − 1.
         let (g_n, r) = (self.o_groups, self.o_rank);
         let in_g = h * hd / g_n;
-        let mut z = vec![0.0f32; n * g_n * r];
-        let mut xg = vec![0.0f32; n * in_g];
+        let mut z = scratch::stale(n * g_n * r);
+        let mut xg = scratch::stale(n * in_g);
         for g in 0..g_n {
             for t in 0..n {
                 xg[t * in_g..(t + 1) * in_g]
@@ -1177,7 +1177,7 @@ impl<'m> Dsv4Model<'m> {
             }
             match &l.wo_a {
                 WoA::Groups(ms) => {
-                    let mut yg = vec![0.0f32; n * r];
+                    let mut yg = scratch::stale(n * r);
                     ms[g].apply_q(k, &xg, n, &mut yg, self.aq())?;
                     for t in 0..n {
                         z[(t * g_n + g) * r..(t * g_n + g + 1) * r]
@@ -1185,7 +1185,7 @@ impl<'m> Dsv4Model<'m> {
                     }
                 }
                 WoA::Whole(m) => {
-                    let mut yg = vec![0.0f32; n * g_n * r];
+                    let mut yg = scratch::stale(n * g_n * r);
                     m.apply_q(k, &xg, n, &mut yg, self.aq())?;
                     for t in 0..n {
                         z[(t * g_n + g) * r..(t * g_n + g + 1) * r]
@@ -1194,14 +1194,20 @@ impl<'m> Dsv4Model<'m> {
                 }
             }
         }
-        let mut o = vec![0.0f32; n * d];
+        let mut o = scratch::stale(n * d);
         l.wo_b.apply_q(k, &z, n, &mut o, self.aq())?;
         Ok(o)
     }
 
     /// The MoE sub-block: routed experts (hash- or score-selected) plus the
     /// shared expert. Returns [n, D].
-    fn moe(&self, li: usize, m: &Moe, x: &[f32], tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+    fn moe(
+        &self,
+        li: usize,
+        m: &Moe,
+        x: &[f32],
+        tokens: &[u32],
+    ) -> Result<scratch::Buf, EngineError> {
         let k = &self.kernels;
         let (d, n) = (self.d, tokens.len());
         let e_n = m.experts.len();
@@ -1235,19 +1241,19 @@ impl<'m> Dsv4Model<'m> {
                 chosen[e].push((t, scores[e] / sum * self.routed_scale));
             }
         }
-        let mut out = vec![0.0f32; n * d];
+        let mut out = scratch::zeroed(n * d);
         // Experts in index order, each over its tokens (transformers' order).
         super::add_routed_experts(&chosen, x, d, &mut out, &self.usage, li, |e, xe, g, ye| {
             self.swiglu(&m.experts[e], xe, g, Some(self.swiglu_limit), ye)
         })?;
         if let Some(sh) = &m.shared {
-            let mut y = vec![0.0f32; n * d];
+            let mut y = scratch::stale(n * d);
             let limit = match self.numerics {
                 Numerics::Transformers => Some(self.swiglu_limit),
                 Numerics::DeepSeek => None,
             };
             self.swiglu(sh, x, n, limit, &mut y)?;
-            out.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
+            out.iter_mut().zip(y.iter()).for_each(|(o, v)| *o += v);
         }
         Ok(out)
     }

@@ -4,6 +4,7 @@
 
 pub mod dsv4;
 pub mod llama;
+pub mod scratch;
 
 use crate::kernels::{KernelError, Kernels, Matrix, Weights};
 use crate::model::layout::Kind;
