@@ -220,58 +220,8 @@ impl AmxX {
     }
 
     /// Round x (`[n][cols]`, row-major by token) into these buffers (reused
-    /// across calls): by `bs_amx_pack_x` where the amx kernels run here,
-    /// else by [`AmxX::pack_from_rust`] (the two agree bit for bit; tested).
+    /// across calls).
     pub fn pack_from(&mut self, x: &[f32], n: usize, cols: usize) -> Result<(), KernelError> {
-        match crate::kernels::Kernels::amx_pack_x() {
-            Some(f) => self.pack_from_c(f, x, n, cols),
-            None => self.pack_from_rust(x, n, cols),
-        }
-    }
-
-    /// [`AmxX::pack_from`] through the C packer `f`, a token group at a time
-    /// (the groups across the threads for a prefill step).
-    fn pack_from_c(
-        &mut self,
-        f: unsafe extern "C" fn(*const f32, usize, usize, usize, usize, *mut u32),
-        x: &[f32],
-        n: usize,
-        cols: usize,
-    ) -> Result<(), KernelError> {
-        check_activations("amx", x, n, cols)?;
-        let len = Self::len_for(n, cols)
-            .ok_or_else(|| KernelError::Shape("amx: packed activations overflow".into()))?;
-        self.b.reset(len);
-        let group = AMX_BLOCK * cols.div_ceil(CHUNK);
-        if cols > 0 && n > 0 {
-            let pack = |(g, out): (usize, &mut [u32])| {
-                // SAFETY: x holds n × cols floats (checked above) and out is
-                // group g's block of group × 1 u32 (len_for's layout);
-                // bs_amx_pack_x reads rows 16g.. of x below n, columns below
-                // cols (a masked load for a partial chunk), and writes only
-                // that block. It uses AVX-512 and no AMX, and amx_pack_x
-                // hands it out only where the amx kernels run, so the CPU
-                // has AVX-512.
-                unsafe { f(x.as_ptr(), n, cols, g, g + 1, out.as_mut_ptr()) }
-            };
-            if crate::threads::split_elementwise(x.len()) {
-                use rayon::prelude::*;
-                self.b
-                    .par_chunks_exact_mut(group)
-                    .enumerate()
-                    .for_each(pack);
-            } else {
-                self.b.chunks_exact_mut(group).enumerate().for_each(pack);
-            }
-        }
-        self.n = n;
-        self.cols = cols;
-        Ok(())
-    }
-
-    /// [`AmxX::pack_from`] in Rust: the definition, and the path where the
-    /// amx kernels do not run.
-    pub fn pack_from_rust(&mut self, x: &[f32], n: usize, cols: usize) -> Result<(), KernelError> {
         check_activations("amx", x, n, cols)?;
         let len = Self::len_for(n, cols)
             .ok_or_else(|| KernelError::Shape("amx: packed activations overflow".into()))?;
@@ -692,83 +642,6 @@ mod tests {
                     u32::from(at(c)) | u32::from(at(c + 1)) << 16,
                     "token {j} column {c}"
                 );
-            }
-        }
-    }
-
-    /// The C packer (`bs_amx_pack_x`, where the amx kernels run) against
-    /// the Rust definition, bit for bit: partial token groups and chunks,
-    /// odd columns, values at every rounding edge (halfway cases both ways,
-    /// the largest finite values and their carry into infinity, ±0,
-    /// subnormals, ±inf, NaNs with payloads and either sign), and a buffer
-    /// reused from a larger packing.
-    #[test]
-    fn amx_c_packing_matches_rust() {
-        let Some(f) = crate::kernels::Kernels::amx_pack_x() else {
-            eprintln!("amx kernels not available here: the Rust packing only");
-            return;
-        };
-        let edges: Vec<f32> = [
-            0x3F80_8000u32,
-            0x3F81_8000,
-            0x3F80_7FFF,
-            0x3F80_8001,
-            0x7F7F_FFFF,
-            0x7F7F_7FFF,
-            0xFF7F_8000,
-            0x0000_0000,
-            0x8000_0000,
-            0x0000_0001,
-            0x807F_FFFF,
-            0x0080_0000,
-            0x8080_8000,
-            0x7F80_0000,
-            0xFF80_0000,
-            0x7FC0_0000,
-            0xFFC0_0001,
-            0x7F80_0001,
-            0xFFFF_FFFF,
-            0x7FBF_FFFF,
-        ]
-        .iter()
-        .map(|&b| f32::from_bits(b))
-        .collect();
-        let mut reused = AmxX::default();
-        let big: Vec<f32> = (0..40 * 300).map(|i| i as f32 * 0.37 - 900.0).collect();
-        reused.pack_from_c(f, &big, 40, 300).unwrap();
-        for (n, cols) in [
-            (1, 1),
-            (1, 2),
-            (3, 31),
-            (16, 32),
-            (17, 33),
-            (5, 47),
-            (33, 64),
-            (2, 100),
-            (20, 2051),
-        ] {
-            let x: Vec<f32> = (0..n * cols)
-                .map(|i| match i % 7 {
-                    0 | 3 => edges[(i / 7) % edges.len()],
-                    _ => ((i * 7919) % 4001) as f32 / 97.0 - 20.0,
-                })
-                .collect();
-            let mut want = AmxX::default();
-            want.pack_from_rust(&x, n, cols).unwrap();
-            let mut got = AmxX::default();
-            got.pack_from_c(f, &x, n, cols).unwrap();
-            reused.pack_from_c(f, &x, n, cols).unwrap();
-            for (what, a) in [("new", &got), ("reused", &reused)] {
-                assert_eq!(a.pairs().len(), want.pairs().len());
-                if let Some(i) = (0..want.pairs().len()).find(|&i| a.pairs()[i] != want.pairs()[i])
-                {
-                    panic!(
-                        "{what} buffer, n {n} cols {cols}: u32 {i}: C {:#010x}, Rust {:#010x}",
-                        a.pairs()[i],
-                        want.pairs()[i]
-                    );
-                }
-                assert_eq!((a.n(), a.cols()), (n, cols));
             }
         }
     }

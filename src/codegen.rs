@@ -706,16 +706,6 @@ pub fn build() -> BuildResult<()> {
     .unwrap();
     writeln!(
         table,
-        "\npub static AMX_PACK_X: Option<unsafe extern \"C\" fn(*const f32, usize, usize, usize, usize, *mut u32)> = {};",
-        if amx_fns.is_empty() {
-            "None"
-        } else {
-            "Some(ffi::bs_amx_pack_x)"
-        }
-    )
-    .unwrap();
-    writeln!(
-        table,
         "\npub static COMPILED_ISAS: &[Isa] = &[{}];",
         isas.iter()
             .map(|i| format!("Isa::{i:?}"))

@@ -862,13 +862,6 @@ impl Kernels {
             .clone()
     }
 
-    /// The C packer of amx activations (`bs_amx_pack_x`, AVX-512), where
-    /// this build has the amx kernels and they can run here.
-    pub(crate) fn amx_pack_x(
-    ) -> Option<unsafe extern "C" fn(*const f32, usize, usize, usize, usize, *mut u32)> {
-        AMX_PACK_X.filter(|_| Self::amx_available().is_ok())
-    }
-
     /// The amx kernel for a BF16, FP8 or FP4 shape: specialised when the build
     /// made one (and these kernels use specialised ones).
     pub fn amx_kernel(

@@ -2048,8 +2048,7 @@ fn amx_fp4_matches_its_reference() {
     let y = check_amx(&o, &x, 3);
     assert_eq!(y[0], 0.0, "scale 2^-127: the products read as zero");
     assert!(y[2].is_nan(), "a NaN scale gives NaN");
-    // Every scale byte, one per 32-column block (the kernels look each
-    // block's table up by its byte).
+    // Every scale byte, one per 32-column block.
     let mut o = Owned::random(&mut rng, Format::Fp4, 64, 128);
     for (i, s) in o.s.iter_mut().enumerate() {
         *s = i as u8;
