@@ -96,7 +96,7 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
         );
     }
     let mut eng = crate::commands::engine(&m, k, opts.num)?;
-    let chunk = opts.chunk.unwrap_or_else(|| eng.default_chunk());
+    let chunk = crate::commands::prefill_chunk(&eng, opts.chunk, opts.prompt_len, false);
     let vocab = eng.vocab();
     let ctx = opts.prompt_len + opts.gen;
     if ctx > m.config.max_position_embeddings {

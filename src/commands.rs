@@ -376,7 +376,7 @@ pub struct RunArgs {
     /// weights once for the few tokens routed to it, so longer steps share
     /// that work (a 1024-token prompt on a DeepSeek V4 Flash-shaped
     /// checkpoint with --fp4-act amx --fp8-act amx: 1.5-1.7x the prefill of
-    /// steps of 256, for about 0.4 GB more activations).
+    /// steps of 256, for about 0.4 GiB more activations).
     #[arg(long, value_name = "N", value_parser = crate::commands::parse_chunk)]
     pub chunk: Option<usize>,
     #[command(flatten)]

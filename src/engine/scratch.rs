@@ -6,9 +6,9 @@
 //! them when freed (on the engine's worker threads always, whatever
 //! `M_MMAP_MAX` says), so every layer paid a page fault and a kernel page
 //! clear per 4 KiB of each: a fifth of a 1-thread DeepSeek V4 prefill with
-//! the amx kernels. [`zeroed`] and [`copy_of`] take a buffer freed earlier
-//! (the smallest that is large enough) where there is one, so a layer's
-//! buffers are the previous layer's, already mapped.
+//! the amx kernels. [`zeroed`], [`stale`] and [`copy_of`] take a buffer
+//! freed earlier (the smallest that is large enough) where there is one, so
+//! a layer's buffers are the previous layer's, already mapped.
 //!
 //! Only buffers of [`MIN_BYTES`] or more are kept, at most [`MAX_KEPT`],
 //! the largest first when there are more: what stays held is about one
@@ -22,7 +22,7 @@ pub const MIN_BYTES: usize = 1 << 20;
 /// Buffers kept at most.
 pub const MAX_KEPT: usize = 32;
 
-/// Kept buffers; [`zeroed`] and [`copy_of`] use the process's one.
+/// Kept buffers; [`zeroed`], [`stale`] and [`copy_of`] use the process's one.
 #[derive(Debug, Default)]
 pub struct Pool {
     kept: Mutex<Vec<Vec<f32>>>,
@@ -36,13 +36,6 @@ static POOL: Pool = Pool::new();
 pub struct Buf {
     v: Vec<f32>,
     pool: &'static Pool,
-}
-
-impl Buf {
-    /// The vector, no longer kept (for a result handed to the caller).
-    pub fn into_vec(mut self) -> Vec<f32> {
-        std::mem::take(&mut self.v)
-    }
 }
 
 impl Deref for Buf {
@@ -181,7 +174,7 @@ mod tests {
         assert_eq!(b.len(), n / 2);
         assert!(b.iter().all(|&v| v == 0.0));
         assert_eq!(pool.kept_bytes(), 0);
-        // b is out, so a copy gets new memory
+        // b is out, so a copy gets new memory (c stays out to the end)
         let x: Vec<f32> = (0..n).map(|i| i as f32).collect();
         let c = pool.copy_of(&x);
         assert_ne!(c.as_ptr(), p);
@@ -189,10 +182,6 @@ mod tests {
         drop(b);
         // small buffers are not kept
         drop(pool.zeroed(16));
-        assert_eq!(pool.kept_bytes(), 4 * n);
-        // into_vec hands the memory out for good
-        let v = c.into_vec();
-        assert_eq!(v.len(), n);
         assert_eq!(pool.kept_bytes(), 4 * n);
         // the smallest that fits: the 4 MiB one for 2 MiB, not a 8 MiB one
         drop(pool.zeroed(2 * n));
