@@ -1018,6 +1018,10 @@ fn attention_matches_reference() {
         // time where head_dim is a multiple of 16: 2 and 6 per KV head.
         (32, 6, 3),
         (48, 12, 2),
+        // AVX-512 takes the values 64 columns a pass, then 16, then one
+        // at a time: 64 + 16 + 16 + 16, and 64 + 8.
+        (112, 4, 2),
+        (72, 2, 1),
     ] {
         for &t in &[1, 5, 16, 17, 100] {
             for &(window, sinks) in &[(0, false), (7, false), (0, true), (40, true)] {
