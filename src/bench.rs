@@ -170,15 +170,18 @@ pub struct KernelResult {
     pub max_us: f64,
     pub gb_per_s: f64,
     pub gflop_per_s: f64,
-    /// GB/s over the read bandwidth: for streamed weights the plain read
-    /// timed interleaved with this kernel's samples (`read_gb_per_s`), for
-    /// cache-resident ones the run's figure at the same thread count.
+    /// GB/s over the read beside it (`read_gb_per_s`, described by `read`).
     pub bandwidth_fraction: f64,
-    /// The plain streaming read (same threads, same streams per thread as the
-    /// run's best) timed with its samples interleaved with this case's
-    /// kernels, so that drift on a shared machine hits both alike; the run's
-    /// read bandwidth for cache-resident cases.
+    /// The read this case is set against, at the same thread count, timed
+    /// with its samples interleaved with this case's kernels so that drift
+    /// on a shared machine hits both alike: for streamed weights the plain
+    /// streaming read of memory (the streams per thread of the run's best),
+    /// for cache-resident ones a read of as many bytes as the weights, held
+    /// in cache, with the widest vector loads the CPU has.
     pub read_gb_per_s: f64,
+    /// Which read that was: "memory, N streams a thread" or "cache, ISA
+    /// loads" ("cache, plain loads" where there is no vector read).
+    pub read: String,
     /// The compute roof of this kernel's instruction at the same thread
     /// count (see [`ComputePeak`]); absent where there is no probe for it
     /// (the scalar variant, fp4×q8's integer dot products).
@@ -649,25 +652,95 @@ fn cases(formats: &[Format]) -> Vec<(Format, usize, usize, String)> {
     out
 }
 
-/// Times a case's kernels side by side, their samples interleaved; a
-/// streamed case (`read`: the probe's buffer and streams per thread) also
-/// times the plain read in the same interleaving, so that drift on a shared
+/// The read a case's kernels are set against (see
+/// [`KernelResult::read_gb_per_s`]).
+#[derive(Clone, Copy)]
+enum Reference<'a> {
+    /// Streamed weights: the probe's buffer (larger than the last-level
+    /// cache), read plainly with this many streams a thread.
+    Memory(&'a [u64], usize),
+    /// Cache-resident weights: a buffer of their size, read over and over
+    /// so that it stays in cache, with `VectorRead` (plain loads where
+    /// none), shared among the threads where the kernel shares its work
+    /// (`Sharing`), else read by one.
+    Cache(&'a [u64], Option<crate::kernels::VectorRead>, Sharing),
+}
+
+/// How a cache-resident case's kernel shares its work among the threads, so
+/// that the read beside it does as it does: a small product runs on one
+/// thread (see `kernels::shares_rows`).
+#[derive(Clone, Copy)]
+enum Sharing {
+    /// A product: rows, columns, tokens.
+    Rows(usize, usize, usize),
+    /// Attention: heads, positions, head_dim.
+    Heads(usize, usize, usize),
+}
+
+impl Sharing {
+    fn shared(self) -> bool {
+        match self {
+            Sharing::Rows(r, c, n) => crate::kernels::shares_rows(r, c, n),
+            Sharing::Heads(h, t, d) => crate::kernels::shares_heads(h, t, d),
+        }
+    }
+}
+
+impl Reference<'_> {
+    fn describe(&self) -> String {
+        match self {
+            Reference::Memory(_, k) => {
+                format!(
+                    "memory, {k} stream{} a thread",
+                    if *k == 1 { "" } else { "s" }
+                )
+            }
+            Reference::Cache(_, v, _) => {
+                format!("cache, {} loads", v.map_or("plain", |v| v.name()))
+            }
+        }
+    }
+
+    /// One read of the buffer, split over the current pool's threads.
+    fn read(&self) -> u64 {
+        match *self {
+            Reference::Memory(buf, k) => stream_read(buf, k),
+            Reference::Cache(buf, v, sharing) if !sharing.shared() => match v {
+                Some(v) => v.sum(buf),
+                None => crate::kernels::stream_read(buf, 8),
+            },
+            Reference::Cache(buf, None, _) => stream_read(buf, 8),
+            Reference::Cache(buf, Some(v), _) => {
+                use rayon::prelude::*;
+                let chunk = buf.len().div_ceil(rayon::current_num_threads()).max(8);
+                buf.par_chunks(chunk)
+                    .map(|c| v.sum(c))
+                    .reduce(|| 0, |a, b| a.wrapping_add(b))
+            }
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Reference::Memory(b, _) | Reference::Cache(b, _, _) => std::mem::size_of_val(*b),
+        }
+    }
+}
+
+/// Times a case's kernels side by side, their samples interleaved with
+/// those of the read they are set against, so that drift on a shared
 /// machine hits both alike. Returns each kernel's (median, min, max)
-/// seconds and the read GB/s to set them against (`bw`, the run's figure,
-/// when cache-resident).
+/// seconds and the read's GB/s.
 fn time_case<'a>(
     pool: &rayon::ThreadPool,
     mut calls: Vec<Box<dyn FnMut() + Send + 'a>>,
-    read: Option<(&'a [u64], usize)>,
-    bw: f64,
+    read: Reference<'a>,
     samples: usize,
     min_sample: Duration,
 ) -> (Vec<(f64, f64, f64)>, f64) {
-    if let Some((buf, streams)) = read {
-        calls.push(Box::new(move || {
-            black_box(stream_read(black_box(buf), streams));
-        }));
-    }
+    calls.push(Box::new(move || {
+        black_box(black_box(read).read());
+    }));
     let mut stats = pool.install(|| {
         let mut refs: Vec<&mut dyn FnMut()> = calls
             .iter_mut()
@@ -675,12 +748,9 @@ fn time_case<'a>(
             .collect();
         time_interleaved(&mut refs, samples, min_sample)
     });
-    let read_gb = match read {
-        Some((buf, _)) => stats
-            .pop()
-            .map_or(bw, |r| std::mem::size_of_val(buf) as f64 / r.0 / 1e9),
-        None => bw,
-    };
+    let read_gb = stats
+        .pop()
+        .map_or(f64::NAN, |r| read.bytes() as f64 / r.0 / 1e9);
     (stats, read_gb)
 }
 
@@ -708,12 +778,12 @@ impl CaseId {
         stats: Vec<(f64, f64, f64)>,
         bytes: f64,
         flops: f64,
-        read_gb: f64,
+        read: (f64, String),
         peak: Option<f64>,
     ) -> Vec<KernelResult> {
         kinds
             .zip(stats)
-            .map(|(kind, t)| self.result(kind, t, bytes, flops, read_gb, peak))
+            .map(|(kind, t)| self.result(kind, t, bytes, flops, read.clone(), peak))
             .collect()
     }
 
@@ -723,9 +793,10 @@ impl CaseId {
         t: (f64, f64, f64),
         bytes: f64,
         flops: f64,
-        read_gb: f64,
+        read: (f64, String),
         peak: Option<f64>,
     ) -> KernelResult {
+        let (read_gb, read) = read;
         let (med, min, max) = t;
         let (gb, gflop) = (bytes / med / 1e9, flops / med / 1e9);
         KernelResult {
@@ -745,6 +816,7 @@ impl CaseId {
             gflop_per_s: gflop,
             bandwidth_fraction: gb / read_gb,
             read_gb_per_s: read_gb,
+            read,
             peak_gflop_per_s: peak,
             peak_fraction: peak.map(|p| gflop / p),
             attn: self.attn,
@@ -807,6 +879,7 @@ struct Run<'a> {
     thread_counts: &'a [usize],
     bandwidth: &'a [Bandwidth],
     read_buf: &'a [u64],
+    vread: Option<crate::kernels::VectorRead>,
     stream_bytes: usize,
     samples: usize,
     min_sample: Duration,
@@ -847,6 +920,7 @@ fn time_attention(
         };
         let bytes = 2 * context * width * std::mem::size_of::<f32>();
         let one = cache(&mut gen);
+        let hot = read_buffer(bytes.max(64));
         let copies = if bytes >= 1 << 20 {
             (run.stream_bytes / bytes).max(2)
         } else {
@@ -873,12 +947,11 @@ fn time_attention(
             }
             for &t in run.thread_counts {
                 let pool = crate::threads::pool(t);
-                let (bw, read_streams) = run
+                let read_streams = run
                     .bandwidth
                     .iter()
                     .find(|b| b.threads == t)
-                    .map(|b| (b.gb_per_s, b.streams))
-                    .unwrap_or((f64::NAN, 1));
+                    .map_or(1, |b| b.streams);
                 for residency in ["cache", "stream"] {
                     progress(format!(
                         "attn {h}h/{kv}kv×{hd} @{context} {} {t}t {residency}",
@@ -921,9 +994,13 @@ fn time_attention(
                             }) as Box<dyn FnMut() + Send>
                         })
                         .collect();
-                    let read = (residency == "stream").then_some((run.read_buf, read_streams));
+                    let read = if residency == "stream" {
+                        Reference::Memory(run.read_buf, read_streams)
+                    } else {
+                        Reference::Cache(&hot, run.vread, Sharing::Heads(h, context, hd))
+                    };
                     let (stats, read_gb) =
-                        time_case(&pool, calls, read, bw, run.samples, run.min_sample);
+                        time_case(&pool, calls, read, run.samples, run.min_sample);
                     let id = CaseId {
                         format: "attn".into(),
                         rows: h,
@@ -940,7 +1017,8 @@ fn time_attention(
                     let flops = 4.0 * (h * context * hd) as f64;
                     let peak = peak_of(k.isa(), t);
                     let names = kinds.iter().map(|k| k.0);
-                    results.extend(id.results(names, stats, bytes as f64, flops, read_gb, peak));
+                    let read = (read_gb, read.describe());
+                    results.extend(id.results(names, stats, bytes as f64, flops, read, peak));
                 }
             }
         }
@@ -995,6 +1073,11 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
         } else {
             ""
         }
+    );
+    let vread = crate::kernels::VectorRead::best();
+    eprintln!(
+        "cache-resident cases are set against a read of as many bytes held in cache ({} loads)",
+        vread.map_or("plain", |v| v.name())
     );
     let mut bandwidth = Vec::new();
     // The probe's buffer, also read beside every streamed case (see
@@ -1144,6 +1227,8 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
         };
         let one = make_weights(format, rows, cols, ci as u64 + 1, opts.weight_offset);
         let bytes = matrix(format, rows, cols, &one).bytes();
+        // What the cache-resident case is set against: a read of as many bytes.
+        let hot = read_buffer(bytes.max(64));
         let copies = if bytes >= 1 << 20 {
             (stream_bytes / bytes).max(2)
         } else {
@@ -1203,11 +1288,10 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             };
             for &t in &thread_counts {
                 let pool = crate::threads::pool(t);
-                let (bw, read_streams) = bandwidth
+                let read_streams = bandwidth
                     .iter()
                     .find(|b| b.threads == t)
-                    .map(|b| (b.gb_per_s, b.streams))
-                    .unwrap_or((f64::NAN, 1));
+                    .map_or(1, |b| b.streams);
                 for residency in ["cache", "stream"] {
                     done += kinds.len();
                     if residency == "stream" && stream.is_empty() {
@@ -1265,8 +1349,12 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                             }) as Box<dyn FnMut() + Send>
                         })
                         .collect();
-                    let read = (residency == "stream").then_some((&read_buf[..], read_streams));
-                    let (stats, read_gb) = time_case(&pool, calls, read, bw, samples, min_sample);
+                    let read = if residency == "stream" {
+                        Reference::Memory(&read_buf, read_streams)
+                    } else {
+                        Reference::Cache(&hot, vread, Sharing::Rows(rows, cols, n_tok))
+                    };
+                    let (stats, read_gb) = time_case(&pool, calls, read, samples, min_sample);
                     let id = CaseId {
                         format: label.clone(),
                         rows,
@@ -1281,7 +1369,8 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
                     let flops = 2.0 * rows as f64 * cols as f64 * n_tok as f64;
                     let peak = peak_of(k.isa(), act, t);
                     let names = kinds.iter().map(|k| k.0);
-                    results.extend(id.results(names, stats, bytes as f64, flops, read_gb, peak));
+                    let read = (read_gb, read.describe());
+                    results.extend(id.results(names, stats, bytes as f64, flops, read, peak));
                 }
             }
         }
@@ -1292,6 +1381,7 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             thread_counts: &thread_counts,
             bandwidth: &bandwidth,
             read_buf: &read_buf,
+            vread,
             stream_bytes,
             samples,
             min_sample,
@@ -1359,7 +1449,7 @@ fn print_table(r: &[KernelResult]) {
                 .map_or("-".to_string(), |f| format!("{:.0}%", f * 100.0))
         );
     }
-    println!("(shape: rows×cols, or for attn heads/KV heads×head_dim @positions in the cache. n: tokens per call. GB/s: weights, or the keys and values, read per second. % bw: of the read GB/s beside it; for streamed weights that read was timed interleaved with the kernel. % peak: GFLOP/s of the compute roof of the kernel's instruction at the same threads)");
+    println!("(shape: rows×cols, or for attn heads/KV heads×head_dim @positions in the cache. n: tokens per call. GB/s: weights, or the keys and values, read per second. % bw: of the read GB/s beside it, timed interleaved with the kernel at the same threads: for streamed weights a plain read of memory, for cache-resident ones a read of as many bytes held in cache with the widest vector loads. % peak: GFLOP/s of the compute roof of the kernel's instruction at the same threads)");
 }
 
 /// The two targets: streamed weights at >= 85% of read bandwidth;
@@ -1401,9 +1491,15 @@ fn print_summary(r: &[KernelResult]) {
             .unwrap_or_default();
         // Matvec is judged by the read bandwidth, matmul by the compute roof.
         let share = match (s.tokens, s.peak_fraction) {
-            (1, _) | (_, None) => {
-                format!("{:>6.1}% of read bandwidth", s.bandwidth_fraction * 100.0)
-            }
+            (1, _) | (_, None) => format!(
+                "{:>6.1}% of {}",
+                s.bandwidth_fraction * 100.0,
+                if s.residency == "cache" {
+                    "a read in cache"
+                } else {
+                    "read bandwidth"
+                }
+            ),
             (_, Some(f)) => format!("{:>6.1}% of the compute roof", f * 100.0),
         };
         println!(

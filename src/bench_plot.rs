@@ -1,7 +1,8 @@
 //! `bespoke bench kernels --plot FILE.svg`: specialised against generic per
 //! kernel, ISA, thread count and residency, as a horizontal bar chart (GB/s
-//! of weights read), with the read bandwidth measured in the same run marked
-//! on each row. Plain SVG written by hand: no plotting dependency.
+//! of weights read), with the read each row was set against (timed beside
+//! it: memory for streamed weights, the same bytes in cache for resident
+//! ones) marked on it. Plain SVG written by hand: no plotting dependency.
 
 use crate::bench::Results;
 use std::fmt::Write as _;
@@ -22,8 +23,9 @@ const KINDS: [(&str, &str); 2] = [("specialised", "#2f6db5"), ("generic", "#e08a
 
 /// The chart as an SVG document.
 pub fn svg(r: &Results) -> String {
-    // One row per case (everything but the kernel kind), in the run's order.
-    let mut rows: Vec<(String, usize, Vec<Option<f64>>)> = Vec::new();
+    // One row per case (everything but the kernel kind), in the run's order,
+    // with the read GB/s it was set against.
+    let mut rows: Vec<(String, f64, Vec<Option<f64>>)> = Vec::new();
     for k in &r.kernels {
         let label = format!(
             "{} {} {} {}t {}",
@@ -36,7 +38,7 @@ pub fn svg(r: &Results) -> String {
         let i = match rows.iter().position(|(l, _, _)| *l == label) {
             Some(i) => i,
             None => {
-                rows.push((label, k.threads, vec![None; KINDS.len()]));
+                rows.push((label, k.read_gb_per_s, vec![None; KINDS.len()]));
                 rows.len() - 1
             }
         };
@@ -44,15 +46,14 @@ pub fn svg(r: &Results) -> String {
             rows[i].2[j] = Some(k.gb_per_s);
         }
     }
-    let bw = |t: usize| {
-        r.bandwidth
-            .iter()
-            .find(|b| b.threads == t)
-            .map(|b| b.gb_per_s)
-    };
     let max = rows
         .iter()
-        .flat_map(|(_, t, v)| v.iter().flatten().copied().chain(bw(*t)))
+        .flat_map(|(_, b, v)| {
+            v.iter()
+                .flatten()
+                .copied()
+                .chain(b.is_finite().then_some(*b))
+        })
         .fold(1e-9f64, f64::max)
         * 1.08;
     let x = |v: f64| LEFT + PLOT_W * v / max;
@@ -72,7 +73,7 @@ pub fn svg(r: &Results) -> String {
     .unwrap();
     writeln!(
         s,
-        r#"<text x="10" y="42">{} ({}), {} physical cores, last-level cache {} MiB; black tick: plain streaming read, same threads</text>"#,
+        r#"<text x="10" y="42">{} ({}), {} physical cores, last-level cache {} MiB; black tick: the read timed beside each row, same threads (memory, or as many bytes in cache)</text>"#,
         esc(&r.machine.cpu),
         esc(&r.machine.arch),
         r.machine.physical_cores,
@@ -107,7 +108,7 @@ pub fn svg(r: &Results) -> String {
         TOP + ROW * rows.len() as f64 + 34.0
     )
     .unwrap();
-    for (i, (label, threads, vals)) in rows.iter().enumerate() {
+    for (i, (label, read, vals)) in rows.iter().enumerate() {
         let y0 = TOP + ROW * i as f64;
         writeln!(
             s,
@@ -132,7 +133,7 @@ pub fn svg(r: &Results) -> String {
             )
             .unwrap();
         }
-        if let Some(b) = bw(*threads) {
+        if let Some(b) = read.is_finite().then_some(*read) {
             writeln!(
                 s,
                 r#"<line x1="{:.1}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="black" stroke-width="2"/>"#,

@@ -189,6 +189,55 @@ pub fn stream_read(buf: &[u64], streams: usize) -> u64 {
     unsafe { ffi::bs_stream_read(buf.as_ptr(), buf.len(), streams) }
 }
 
+/// The benchmark's read of data held in cache (kernels/bs_read.c): the sum
+/// of a buffer's words with the widest vector loads this CPU has, 8 of them
+/// in flight. The plain [`stream_read`] is compiled for the baseline (8 or 16
+/// bytes a load), which is enough to measure memory but not L1 or L2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VectorRead {
+    kind: u32,
+    name: &'static str,
+}
+
+impl VectorRead {
+    /// The widest read this CPU runs (AVX-512, else AVX2 on x86-64; NEON on
+    /// aarch64), if this build could compile it.
+    pub fn best() -> Option<VectorRead> {
+        let mut kinds: Vec<(u32, &'static str)> = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                kinds.push((2, "avx512"));
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                kinds.push((1, "avx2"));
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        kinds.push((4, "neon"));
+        let ones = [1u64; 100];
+        kinds
+            .into_iter()
+            .map(|(kind, name)| VectorRead { kind, name })
+            // A kind the compiler could not make returns 0.
+            .find(|v| v.sum(&ones) == 100)
+    }
+
+    /// The instruction set it reads with, e.g. "avx512".
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// The wrapping sum of `buf`'s words.
+    pub fn sum(&self, buf: &[u64]) -> u64 {
+        // SAFETY: a VectorRead is only made by best(), which checked that
+        // this CPU has the kind's instructions (AVX-512F, AVX2; NEON is in
+        // every aarch64 core); bs_vector_read reads words 0..buf.len() of a
+        // live slice and nothing else.
+        unsafe { ffi::bs_vector_read(buf.as_ptr(), buf.len(), self.kind) }
+    }
+}
+
 /// A compute-roof probe (kernels/bs_peak.c): independent chains of the
 /// vector multiply-add a kernel family is built on, nothing else. Only
 /// [`PeakProbe::for_kernels`] makes one, after checking that this CPU has
@@ -539,6 +588,21 @@ impl DecodeSplit {
 
 /// Below this many weight elements per call, threads cost more than they save.
 const PARALLEL_MIN_ELEMS: usize = 1 << 15;
+
+/// Whether a rows × cols product met by `tokens` tokens is shared among the
+/// current pool's threads (else one call on the calling thread does it all).
+pub(crate) fn shares_rows(rows: usize, cols: usize, tokens: usize) -> bool {
+    let work = rows.saturating_mul(cols).saturating_mul(tokens);
+    rayon::current_num_threads() > 1 && work >= PARALLEL_MIN_ELEMS && rows >= 32
+}
+
+/// Whether attention over `n_heads` heads of `head_dim`, `t_len` positions,
+/// is shared among the current pool's threads, a range of heads each.
+pub(crate) fn shares_heads(n_heads: usize, t_len: usize, head_dim: usize) -> bool {
+    rayon::current_num_threads() > 1
+        && n_heads > 1
+        && t_len * head_dim * n_heads >= PARALLEL_MIN_ELEMS
+}
 
 /// Run `f` on X, or on a copy of it that starts on a cache line when X does
 /// not and the kernels read it in place (`direct`: the F32 and BF16
@@ -1676,8 +1740,7 @@ impl Kernels {
     /// Whether `par_rows` shares a rows × cols product met by `tokens`
     /// tokens among the threads (else it makes one call).
     fn shares_rows(&self, rows: usize, cols: usize, tokens: usize) -> bool {
-        let work = rows.saturating_mul(cols).saturating_mul(tokens);
-        rayon::current_num_threads() > 1 && work >= PARALLEL_MIN_ELEMS && rows >= 32
+        shares_rows(rows, cols, tokens)
     }
 
     /// Attention for one query position; `out` is [n_heads, head_dim].
@@ -1816,12 +1879,11 @@ impl Kernels {
                 )
             }
         };
-        let threads = rayon::current_num_threads();
-        if threads <= 1 || nh == 1 || t_len * hd * nh < PARALLEL_MIN_ELEMS {
+        if !shares_heads(nh, t_len, hd) {
             run(0, nh);
         } else {
             use rayon::prelude::*;
-            split(nh, threads, 1)
+            split(nh, rayon::current_num_threads(), 1)
                 .into_par_iter()
                 .for_each(|(h0, h1)| run(h0, h1));
         }

@@ -186,6 +186,33 @@ fn bench_kernels_quick_json_plot_and_compare() {
         if path == &a {
             assert!(ks.iter().any(|k| k["format"] == "fp4q8"), "fp4q8 rows");
         }
+        // Each row's read: memory for streamed weights, the same bytes in
+        // cache (with vector loads where the CPU has them) for resident ones.
+        for k in ks {
+            let (read, gb) = (
+                k["read"].as_str().unwrap(),
+                k["read_gb_per_s"].as_f64().unwrap(),
+            );
+            assert!(gb > 0.0, "{k}");
+            let frac = k["gb_per_s"].as_f64().unwrap() / gb;
+            assert!(
+                (k["bandwidth_fraction"].as_f64().unwrap() - frac).abs() <= 1e-9 * frac,
+                "{k}"
+            );
+            match k["residency"].as_str().unwrap() {
+                "stream" => assert!(read.starts_with("memory, "), "{k}"),
+                "cache" => {
+                    assert!(read.starts_with("cache, "), "{k}");
+                    #[cfg(target_arch = "x86_64")]
+                    if std::arch::is_x86_feature_detected!("avx2") {
+                        assert!(read.contains("avx2") || read.contains("avx512"), "{k}");
+                    }
+                    #[cfg(target_arch = "aarch64")]
+                    assert_eq!(read, "cache, neon loads");
+                }
+                r => panic!("residency {r}"),
+            }
+        }
     }
     // The chart: well-formed enough to hold one bar per measurement.
     let text = std::fs::read_to_string(&svg).unwrap();
@@ -196,6 +223,18 @@ fn bench_kernels_quick_json_plot_and_compare() {
         text.matches("<rect x=").count() - 2,
         va["kernels"].as_array().unwrap().len(),
         "bars (+2 legend keys)"
+    );
+    // One tick a row (specialised and generic share one): the read it was set against.
+    let rows = va["kernels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|k| k["kernel"] == "generic")
+        .count();
+    assert_eq!(
+        text.matches(r#"stroke="black""#).count(),
+        rows,
+        "read ticks"
     );
     // Compare: the shared bf16 rows are matched; the others listed per file.
     let (ok, out, err) = run(&["bench", "compare", &a, &b]);

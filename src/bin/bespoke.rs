@@ -144,8 +144,9 @@ enum BenchWhat {
     /// Flash expert shapes and the fixture's shapes, and the attention-decode
     /// kernel at its shapes, per ISA variant, specialised and generic, 1
     /// thread and all threads, weights (keys and values) cache-resident and
-    /// streamed from memory, next to the machine's read bandwidth measured
-    /// in the same run.
+    /// streamed from memory, each next to a plain read timed beside it (of
+    /// memory for streamed weights, of as many bytes held in cache for
+    /// resident ones).
     Kernels {
         /// Thread count for the "all threads" runs (default: physical cores).
         #[arg(long, value_name = "N")]
@@ -168,7 +169,8 @@ enum BenchWhat {
         #[arg(long, value_name = "SET", value_parser = ["dsv4-flash", "dsv4-pro"])]
         shapes: Option<String>,
         /// Also draw specialised vs generic GB/s per kernel, ISA, thread count
-        /// and residency, with the read bandwidth marked, as an SVG chart.
+        /// and residency, with the read each row is set against marked, as
+        /// an SVG chart.
         #[arg(long, value_name = "FILE.svg")]
         plot: Option<PathBuf>,
         /// Only kernels whose format is one of these (comma-separated: f32, bf16,
@@ -209,7 +211,8 @@ enum BenchWhat {
         weight_offset: usize,
         /// Tokens per call: 1 (the default) times the matvec kernels, as
         /// decode runs them; N > 1 the matmul kernels Y = W·X with N columns
-        /// of X, as prefill runs them (the engine's step is 256 tokens), up
+        /// of X, as prefill runs them (the engine's step is 256 tokens, 1024
+        /// where a MoE model's routed experts run on amx), up
         /// to 1024. Each case's GFLOP/s is also set against a compute roof
         /// measured in the same run: independent chains of the kernel's
         /// multiply-add instruction (f32 FMA per ISA, VDPBF16PS for
