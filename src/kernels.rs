@@ -1829,9 +1829,12 @@ impl Kernels {
         if let Some(s) = a.sinks {
             check_len("attention sinks [n_heads]", a.n_heads, s.len())?;
         }
-        // Up to 4 heads at a time (those sharing a KV head), each with its
-        // scores rounded up to 16.
-        let scratch_len = 4 * a.t_len.div_ceil(16) * 16;
+        // Each head's scores rounded up to 16, for up to 4 heads at a time
+        // (those sharing a KV head), or for as many of a KV head's heads as
+        // the call has where they are more (taken a block of positions at a
+        // time), with their maxima and sums.
+        let row = a.t_len.div_ceil(16) * 16 + 2;
+        let group = a.n_heads / a.n_kv_heads;
         let f = k.f;
         let (q, kp, vp) = (
             SendPtr(a.q.as_ptr()),
@@ -1852,11 +1855,13 @@ impl Kernels {
         );
         let run = move |h0: usize, h1: usize| {
             let (q, kp, vp, sp, op) = (q, kp, vp, sp, op);
-            let mut scratch = vec![0f32; scratch_len];
+            let mut scratch = vec![0f32; group.min(h1 - h0).max(4) * row];
             // SAFETY: q and out hold n_heads×head_dim floats, k and v at least
             // (t_len-1)×kv_stride + (n_kv_heads-1)×kv_head_stride + head_dim,
             // sinks n_heads or null
-            // (all checked above); scratch holds 4 × t_len rounded up to 16.
+            // (all checked above); scratch holds g × (t_len rounded up to 16,
+            // plus 2), g the larger of 4 and the most of a group's heads in
+            // h0..h1, as the kernels' header asks.
             // Concurrent calls write disjoint heads h0..h1 of out.
             unsafe {
                 f(

@@ -1048,6 +1048,16 @@ fn attention_matches_reference() {
         (48, 6, 3, 1400, 0),
         (40, 4, 1, 1700, 1650),
         (512, 4, 1, 150, 0),
+        // More than 4 heads over a KV head and more than one block of 128
+        // positions: every batch of heads takes a block of keys, then of
+        // values, the sums carried from block to block (a partial last
+        // block; 129 positions: one of 1; a window of 170; head_dim 72's
+        // last 8 columns; groups of 5, 6, 8 and 64).
+        (64, 16, 2, 300, 0),
+        (512, 64, 1, 200, 0),
+        (80, 6, 1, 400, 170),
+        (72, 10, 2, 129, 0),
+        (48, 12, 2, 1000, 0),
     ] {
         for head_major in [false, true] {
             let c = AttnCase {
@@ -1067,6 +1077,23 @@ fn attention_matches_reference() {
     // range starts and ends inside a KV head's group of 6.
     bespoke::threads::pool(3).install(|| {
         for &(t, window, sinks, head_major) in &[(100, 0, false, false), (120, 50, true, true)] {
+            let c = AttnCase {
+                hd: 64,
+                h: 12,
+                kv: 2,
+                t,
+                window,
+                sinks,
+                stride_pad: 1,
+                head_major,
+            };
+            check_attn(&ks, &mut rng, &c, specialised(64, 12, 2));
+        }
+    });
+    // Two threads over 12 heads: each has a whole group of 6, taken a
+    // block of positions at a time.
+    bespoke::threads::pool(2).install(|| {
+        for &(t, window, sinks, head_major) in &[(300, 0, true, false), (400, 200, false, true)] {
             let c = AttnCase {
                 hd: 64,
                 h: 12,
