@@ -1073,40 +1073,30 @@ fn attention_matches_reference() {
             check_attn(&ks, &mut rng, &c, specialised(hd, h, kv));
         }
     }
-    // Heads shared among 3 threads (12 heads: 4 each), so that a thread's
-    // range starts and ends inside a KV head's group of 6.
-    bespoke::threads::pool(3).install(|| {
-        for &(t, window, sinks, head_major) in &[(100, 0, false, false), (120, 50, true, true)] {
-            let c = AttnCase {
-                hd: 64,
-                h: 12,
-                kv: 2,
-                t,
-                window,
-                sinks,
-                stride_pad: 1,
-                head_major,
-            };
-            check_attn(&ks, &mut rng, &c, specialised(64, 12, 2));
-        }
-    });
-    // Two threads over 12 heads: each has a whole group of 6, taken a
-    // block of positions at a time.
-    bespoke::threads::pool(2).install(|| {
-        for &(t, window, sinks, head_major) in &[(300, 0, true, false), (400, 200, false, true)] {
-            let c = AttnCase {
-                hd: 64,
-                h: 12,
-                kv: 2,
-                t,
-                window,
-                sinks,
-                stride_pad: 1,
-                head_major,
-            };
-            check_attn(&ks, &mut rng, &c, specialised(64, 12, 2));
-        }
-    });
+    // 12 heads over 2 KV heads shared among threads: 3 threads (4 heads
+    // each), so that a thread's range starts and ends inside a KV head's
+    // group of 6; 2 threads, each with a whole group, taken a block of
+    // positions at a time.
+    for (threads, cases) in [
+        (3, [(100, 0, false, false), (120, 50, true, true)]),
+        (2, [(300, 0, true, false), (400, 200, false, true)]),
+    ] {
+        bespoke::threads::pool(threads).install(|| {
+            for &(t, window, sinks, head_major) in &cases {
+                let c = AttnCase {
+                    hd: 64,
+                    h: 12,
+                    kv: 2,
+                    t,
+                    window,
+                    sinks,
+                    stride_pad: 1,
+                    head_major,
+                };
+                check_attn(&ks, &mut rng, &c, specialised(64, 12, 2));
+            }
+        });
+    }
     // The build's specialised shapes.
     let mut shapes: Vec<_> = ATTN_KERNELS.iter().filter_map(|x| x.shape).collect();
     shapes.sort();
