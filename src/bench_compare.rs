@@ -186,6 +186,8 @@ fn compare_kernels(a: &Run, b: &Run, out: &mut String) -> Result<(), String> {
     .unwrap();
     let mut ratios = Vec::new();
     let mut only_a = Vec::new();
+    // (A's read, B's read) where a matched row's % bw is of different reads.
+    let mut reads: Vec<(String, String)> = Vec::new();
     for x in &ka {
         let key = kernel_key(x);
         let Some(y) = kb.iter().find(|y| kernel_key(y) == key) else {
@@ -197,6 +199,12 @@ fn compare_kernels(a: &Run, b: &Run, out: &mut String) -> Result<(), String> {
         let (ta, tb) = (num(x, "median_us", &what_a)?, num(y, "median_us", &what_b)?);
         let r = ta / tb;
         ratios.push(r);
+        let (ra, rb) = (read_of(x), read_of(y));
+        // "memory, 4 streams a thread" and "memory, 2 …" are the same kind.
+        let kind = |r: &str| r.split([',', ' ']).next().unwrap_or_default().to_string();
+        if kind(&ra) != kind(&rb) && !reads.contains(&(ra.clone(), rb.clone())) {
+            reads.push((ra, rb));
+        }
         writeln!(
             out,
             "{key} {ta:>11.2} {tb:>11.2} {:>8.2} {:>8.2} {:>6.0}% {:>6.0}% {r:>5.2}x",
@@ -227,6 +235,13 @@ fn compare_kernels(a: &Run, b: &Run, out: &mut String) -> Result<(), String> {
         ratios.iter().copied().fold(0.0, f64::max)
     )
     .unwrap();
+    for (ra, rb) in &reads {
+        writeln!(
+            out,
+            "note: some rows' % bw are of different reads, so not comparable: A {ra}, B {rb}"
+        )
+        .unwrap();
+    }
     for (label, rows) in [(&a.label, &only_a), (&b.label, &only_b)] {
         if !rows.is_empty() {
             writeln!(out, "only in {label} ({}):", rows.len()).unwrap();
@@ -236,6 +251,15 @@ fn compare_kernels(a: &Run, b: &Run, out: &mut String) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The read a kernel row's % bw is of (`read`); files written before rows
+/// named it set every row against the memory read.
+fn read_of(k: &serde_json::Value) -> String {
+    k["read"].as_str().map_or(
+        "memory (a file from before rows named their read)".to_string(),
+        str::to_string,
+    )
 }
 
 fn compare_e2e(a: &Run, b: &Run, out: &mut String) -> Result<(), String> {

@@ -253,6 +253,23 @@ fn bench_kernels_quick_json_plot_and_compare() {
         ok && out.contains("geometric mean ratio 1.000x") && !out.contains("only in"),
         "{out}"
     );
+    // A file from before rows named their read (every % bw of the memory
+    // read): the cache-resident rows' % bw are flagged as not comparable.
+    let mut old = va.clone();
+    for k in old["kernels"].as_array_mut().unwrap() {
+        k.as_object_mut().unwrap().remove("read");
+    }
+    std::fs::write(tmp("old.json"), old.to_string()).unwrap();
+    let (ok, out, err) = run(&["bench", "compare", &tmp("old.json"), &a]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        out.matches("note: some rows' % bw are of different reads")
+            .count(),
+        1,
+        "{out}"
+    );
+    assert!(out.contains("B cache, "), "{out}");
+    std::fs::remove_file(tmp("old.json")).ok();
     // Errors name the file and what was expected.
     let (ok, _, err) = run(&["bench", "compare", &a, "Cargo.toml"]);
     assert!(
