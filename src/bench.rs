@@ -346,11 +346,16 @@ fn time_interleaved(
 /// A plain streaming read of `buf` split over the pool's threads, each
 /// thread reading its share as `streams` parts side by side.
 fn stream_read(buf: &[u64], streams: usize) -> u64 {
+    par_read(buf, 1024, |c| crate::kernels::stream_read(c, streams))
+}
+
+/// `read` over `buf` in one part a thread of the current pool (parts of at
+/// least `min` words), the parts' sums added.
+fn par_read(buf: &[u64], min: usize, read: impl Fn(&[u64]) -> u64 + Sync + Send) -> u64 {
     use rayon::prelude::*;
-    let threads = rayon::current_num_threads();
-    let chunk = buf.len().div_ceil(threads).max(1024);
+    let chunk = buf.len().div_ceil(rayon::current_num_threads()).max(min);
     buf.par_chunks(chunk)
-        .map(|c| crate::kernels::stream_read(c, streams))
+        .map(read)
         .reduce(|| 0, |a, b| a.wrapping_add(b))
 }
 
@@ -701,21 +706,19 @@ impl Reference<'_> {
         }
     }
 
-    /// One read of the buffer, split over the current pool's threads.
+    /// One read of the buffer, split over the current pool's threads (a
+    /// cache-resident one only where its kernel's work is).
     fn read(&self) -> u64 {
         match *self {
             Reference::Memory(buf, k) => stream_read(buf, k),
-            Reference::Cache(buf, v, sharing) if !sharing.shared() => match v {
-                Some(v) => v.sum(buf),
-                None => crate::kernels::stream_read(buf, 8),
-            },
-            Reference::Cache(buf, None, _) => stream_read(buf, 8),
-            Reference::Cache(buf, Some(v), _) => {
-                use rayon::prelude::*;
-                let chunk = buf.len().div_ceil(rayon::current_num_threads()).max(8);
-                buf.par_chunks(chunk)
-                    .map(|c| v.sum(c))
-                    .reduce(|| 0, |a, b| a.wrapping_add(b))
+            Reference::Cache(buf, v, sharing) => {
+                let one =
+                    |c: &[u64]| v.map_or_else(|| crate::kernels::stream_read(c, 8), |v| v.sum(c));
+                if sharing.shared() {
+                    par_read(buf, 8, one)
+                } else {
+                    one(buf)
+                }
             }
         }
     }

@@ -590,7 +590,8 @@ impl DecodeSplit {
 const PARALLEL_MIN_ELEMS: usize = 1 << 15;
 
 /// Whether a rows × cols product met by `tokens` tokens is shared among the
-/// current pool's threads (else one call on the calling thread does it all).
+/// current pool's threads (`Kernels::par_rows`; else one call on the
+/// calling thread does it all).
 pub(crate) fn shares_rows(rows: usize, cols: usize, tokens: usize) -> bool {
     let work = rows.saturating_mul(cols).saturating_mul(tokens);
     rayon::current_num_threads() > 1 && work >= PARALLEL_MIN_ELEMS && rows >= 32
@@ -1555,7 +1556,7 @@ impl Kernels {
         check_len("matvec output y", m.rows, y.len())?;
         // One call (one thread, or a matrix too small to share) prepares
         // its own x at no extra cost, and small calls feel every step here.
-        if let Some(p) = k.prepared.filter(|_| self.shares_rows(m.rows, m.cols, 1)) {
+        if let Some(p) = k.prepared.filter(|_| shares_rows(m.rows, m.cols, 1)) {
             // SAFETY: a pure function of its argument.
             let len = unsafe { (p.len)(m.cols) };
             if len > 0 {
@@ -1719,7 +1720,7 @@ impl Kernels {
         tokens: usize,
         f: impl Fn(usize, usize) + Sync + Send + Copy,
     ) {
-        if !self.shares_rows(rows, cols, tokens) {
+        if !shares_rows(rows, cols, tokens) {
             f(0, rows);
             return;
         }
@@ -1735,12 +1736,6 @@ impl Kernels {
         }
         let ranges = split(rows, threads * 4, 16);
         ranges.into_par_iter().for_each(|(r0, r1)| f(r0, r1));
-    }
-
-    /// Whether `par_rows` shares a rows × cols product met by `tokens`
-    /// tokens among the threads (else it makes one call).
-    fn shares_rows(&self, rows: usize, cols: usize, tokens: usize) -> bool {
-        shares_rows(rows, cols, tokens)
     }
 
     /// Attention for one query position; `out` is [n_heads, head_dim].
