@@ -704,6 +704,24 @@ pub fn build() -> BuildResult<()> {
         }
     )
     .unwrap();
+    // The FP8 "s" tiles' switch (templates/matmul.c.tera, x_scalable) of
+    // every compiled ISA that has them.
+    let scaled_isas: Vec<&Isa> = isas.iter().filter(|i| i.desc().fp8_scaled).collect();
+    let fp8_scaled_fns: Vec<String> = scaled_isas
+        .iter()
+        .map(|i| format!("bs_fp8_scaled_{}", i.name()))
+        .collect();
+    writeln!(
+        table,
+        "\npub static FP8_SCALED_SWITCHES: &[(Isa, unsafe extern \"C\" fn(std::os::raw::c_int))] = &[{}];",
+        scaled_isas
+            .iter()
+            .zip(&fp8_scaled_fns)
+            .map(|(i, f)| format!("(Isa::{i:?}, ffi::{f})"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+    .unwrap();
     writeln!(
         table,
         "\npub static COMPILED_ISAS: &[Isa] = &[{}];",
@@ -721,6 +739,7 @@ pub fn build() -> BuildResult<()> {
     hctx.insert("q8_fns", &q8_fns);
     hctx.insert("bf16dot_fns", &bf16dot_fns);
     hctx.insert("amx_fns", &amx_fns);
+    hctx.insert("fp8_scaled_fns", &fp8_scaled_fns);
     let header = gen.join("bespoke_kernels.h");
     write_if_changed(&header, &render("header.h.tera", &hctx)?)?;
 

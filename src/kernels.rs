@@ -288,6 +288,121 @@ impl PeakProbe {
     }
 }
 
+/// Whether the FP8 kernels' "s" tiles are on, per ISA that has them
+/// (AVX2, AVX-512), and why. In those tiles x is copied times 2^120 and
+/// each code's bits go straight into an f32 (w times 2^-120), so that zero
+/// and subnormal codes become f32 subnormals; on cores that take a
+/// microcode assist for a subnormal multiply-add operand (Intel's) every
+/// vector that holds one costs about 100 cycles. Off, the ISA's "p" tiles
+/// take every x: on AVX-512 they are exact for every code with no
+/// subnormal, at 0.90-0.92x the "s" tiles' speed on a matrix without any
+/// (the same bits either way, by the numerics contract).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fp8Scaled {
+    /// Every compiled ISA with "s" tiles, and whether they are on.
+    pub isas: Vec<(Isa, bool)>,
+    /// Why, for `bespoke plan`.
+    pub reason: String,
+}
+
+/// A subnormal multiply-add operand costs this many times a normal one or
+/// more: "slow" (on an Intel Xeon VM, Granite Rapids class: about 100; on
+/// the AMD cores the "s" tiles were written on, none).
+const SUBNORMAL_SLOW: f64 = 4.0;
+
+/// How many times a multiply-add with a subnormal operand takes as long as
+/// one without, on this core, with the FMA of `isa` (kernels/bs_peak.c);
+/// None where there is no probe for it or the CPU lacks it.
+pub fn subnormal_cost(isa: Isa) -> Option<f64> {
+    let kind = match isa {
+        Isa::Avx2 => 1,
+        Isa::Avx512 => 2,
+        _ => return None,
+    };
+    Kernels::with_isa(isa).ok()?;
+    let time = |sub: i32| {
+        (0..3)
+            .map(|_| {
+                let t = std::time::Instant::now();
+                // SAFETY: with_isa checked that this CPU has the ISA's
+                // features (the probe's FMA); the probe reads and writes
+                // nothing but its registers.
+                let s = unsafe { ffi::bs_subnormal_probe(kind, sub, 2000) };
+                std::hint::black_box(s);
+                t.elapsed().as_secs_f64()
+            })
+            .fold(f64::INFINITY, f64::min)
+    };
+    let (sub, normal) = (time(1), time(0));
+    (normal > 0.0).then(|| sub / normal)
+}
+
+/// The process-wide [`Fp8Scaled`], from BESPOKE_FP8_SCALED (`auto`, the
+/// default: AVX-512's off where [`subnormal_cost`] is 4 or more, AVX2's on,
+/// as its "p" tiles redo a block with such a code code by code, which costs
+/// more than the assists; `on`; `off`), worked out and handed to the
+/// kernels once, the first time an FP8 kernel is looked up.
+pub fn fp8_scaled() -> &'static Result<Fp8Scaled, KernelError> {
+    static SETTING: OnceLock<Result<Fp8Scaled, KernelError>> = OnceLock::new();
+    SETTING.get_or_init(|| {
+        let v = std::env::var("BESPOKE_FP8_SCALED").ok();
+        let forced = match v.as_deref().map(str::trim) {
+            None | Some("") | Some("auto") => None,
+            Some("on") => Some(true),
+            Some("off") => Some(false),
+            Some(other) => return Err(KernelError::BadFp8Scaled(other.to_string())),
+        };
+        let mut reason = String::new();
+        let isas = FP8_SCALED_SWITCHES
+            .iter()
+            .map(|&(isa, switch)| {
+                let on = forced.unwrap_or_else(|| {
+                    let cost = (isa == Isa::Avx512).then(|| subnormal_cost(isa)).flatten();
+                    match cost {
+                        Some(c) if c >= SUBNORMAL_SLOW => {
+                            reason = format!("a subnormal multiply-add operand costs {c:.0}x a normal one on this core, so AVX-512 takes the \"p\" tiles");
+                            false
+                        }
+                        Some(c) => {
+                            reason = format!("a subnormal multiply-add operand costs {c:.1}x a normal one on this core");
+                            true
+                        }
+                        None => true,
+                    }
+                });
+                // SAFETY: the switch stores one int with a relaxed atomic;
+                // any value is valid, and a kernel reads it once a call.
+                unsafe { switch(on as c_int) };
+                (isa, on)
+            })
+            .collect();
+        if let Some(on) = forced {
+            reason = format!("BESPOKE_FP8_SCALED={}", if on { "on" } else { "off" });
+        } else if reason.is_empty() {
+            reason = "auto".to_string();
+        } else {
+            reason = format!("auto: {reason}");
+        }
+        Ok(Fp8Scaled { isas, reason })
+    })
+}
+
+/// Switch `isa`'s FP8 "s" tiles on or off for the rest of the process
+/// (tests and benchmarks comparing the two; every call after it sees it).
+/// False where the ISA has none in this build.
+pub fn set_fp8_scaled(isa: Isa, on: bool) -> bool {
+    // The setting first, so that its first use cannot undo this one.
+    let _ = fp8_scaled();
+    match FP8_SCALED_SWITCHES.iter().find(|(i, _)| *i == isa) {
+        Some(&(_, switch)) => {
+            // SAFETY: as in fp8_scaled.
+            unsafe { switch(on as c_int) };
+            true
+        }
+        None => false,
+    }
+}
+
 /// Errors from the kernel layer: always say what was expected.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum KernelError {
@@ -321,6 +436,8 @@ pub enum KernelError {
     NoAmxFp8(String),
     #[error("BESPOKE_SPECIALISED={0:?}: expected `on` (the default: a matrix gets the kernel this build specialised for its shape, if any) or `off` (generic kernels only)")]
     BadSpecialised(String),
+    #[error("BESPOKE_FP8_SCALED={0:?}: expected `auto` (the default: off for AVX-512 where a subnormal multiply-add operand is slow), `on` or `off`")]
+    BadFp8Scaled(String),
 }
 
 impl KernelError {
@@ -789,6 +906,7 @@ impl Kernels {
         CHOICE
             .get_or_init(|| {
                 let mut c = Kernels::choose(std::env::var("BESPOKE_KERNELS").ok().as_deref())?;
+                fp8_scaled().clone()?;
                 if !specialised_from(std::env::var("BESPOKE_SPECIALISED").ok().as_deref())? {
                     c.kernels = c.kernels.with_specialised(false);
                     c.reason
@@ -1430,12 +1548,20 @@ impl Kernels {
         rows: usize,
         cols: usize,
     ) -> Option<&'static MatKernel> {
+        if format == Format::Fp8 {
+            // An unknown BESPOKE_FP8_SCALED leaves the "s" tiles on; from_env
+            // reports it.
+            let _ = fp8_scaled();
+        }
         MAT_KERNELS
             .iter()
             .find(|k| k.isa == self.isa && k.format == format && k.shape == Some((rows, cols)))
     }
 
     pub fn mat_kernel_generic(&self, format: Format) -> &'static MatKernel {
+        if format == Format::Fp8 {
+            let _ = fp8_scaled();
+        }
         MAT_KERNELS
             .iter()
             .find(|k| k.isa == self.isa && k.format == format && k.shape.is_none())
@@ -1916,6 +2042,41 @@ impl fmt::Display for Kernels {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The FP8 "s" tiles' switch reaches the kernels: with it on, an x under
+    /// 2^8 is prepared for them (prep's flag 1), off it is not (0); the
+    /// setting of this process comes back after. And the subnormal probe
+    /// gives a ratio wherever the CPU has the ISA.
+    #[test]
+    fn fp8_scaled_switch() {
+        let setting = fp8_scaled().clone().expect("BESPOKE_FP8_SCALED is unset or valid in tests");
+        let x = vec![0.5f32; 256];
+        for &(isa, _) in FP8_SCALED_SWITCHES {
+            let Ok(k) = Kernels::with_isa(isa) else {
+                continue;
+            };
+            assert!(subnormal_cost(isa).is_some_and(|c| c > 0.0), "{isa}");
+            let p = k
+                .mat_kernel_generic(Format::Fp8)
+                .prepared
+                .expect("FP8 kernels prepare x");
+            for on in [true, false, true] {
+                assert!(set_fp8_scaled(isa, on));
+                // SAFETY: len and prep are this ISA's (the CPU has it:
+                // with_isa); xp holds the len(256) floats prep writes, x
+                // the 256 it reads.
+                let flag = unsafe {
+                    let mut xp = vec![0f32; (p.len)(x.len())];
+                    (p.prep)(x.as_ptr(), x.len(), xp.as_mut_ptr())
+                };
+                assert_eq!(flag, on as c_int, "{isa}: \"s\" tiles switched {on}");
+            }
+        }
+        for &(isa, on) in &setting.isas {
+            assert!(set_fp8_scaled(isa, on));
+        }
+        assert!(!set_fp8_scaled(Isa::Scalar, true), "the scalar kernels have no \"s\" tiles");
+    }
 
     /// X reaches the kernels on a cache line when they read it in place and
     /// its rows are whole lines, unchanged otherwise; a nested call while the

@@ -97,6 +97,24 @@ pub fn variants_report(
         "(BESPOKE_KERNELS=scalar|avx2|avx512|neon|neon_base forces one variant)"
     )
     .unwrap();
+    match kernels::fp8_scaled() {
+        Ok(f) if !f.isas.is_empty() => {
+            let each: Vec<String> = f
+                .isas
+                .iter()
+                .map(|(isa, on)| format!("{isa} {}", if *on { "on" } else { "off" }))
+                .collect();
+            writeln!(
+                out,
+                "FP8 \"s\" tiles (x times 2^120; zero and subnormal codes become f32 subnormals): {} — {} (BESPOKE_FP8_SCALED=auto|on|off)",
+                each.join(", "),
+                f.reason
+            )
+            .unwrap();
+        }
+        Ok(_) => {}
+        Err(e) => writeln!(out, "FP8 \"s\" tiles: error: {e}").unwrap(),
+    }
     let status = match kernels::Kernels::bf16dot_available() {
         Ok(()) => "runnable".to_string(),
         Err(why) => format!("not runnable: {why}"),

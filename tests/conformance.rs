@@ -463,6 +463,28 @@ fn fp8_fast_and_exact_blocks() {
 #[test]
 fn fp8_scaled_x_bound() {
     let _tally = FiniteTally::start();
+    // With the "s" tiles switched on, then off (kernels::fp8_scaled: the
+    // default on an Intel core for AVX-512), every ISA that has them; the
+    // bits must be the reference's either way. (Another test meeting the
+    // switch mid-way gets the same bits too.)
+    for on in [true, false] {
+        let switched: Vec<Isa> = COMPILED_ISAS
+            .iter()
+            .copied()
+            .filter(|&isa| bespoke::kernels::set_fp8_scaled(isa, on))
+            .collect();
+        eprintln!("fp8 \"s\" tiles {}: {switched:?}", if on { "on" } else { "off" });
+        fp8_scaled_x_bound_checks();
+    }
+    // Back to this process's setting for the tests after it.
+    if let Ok(f) = bespoke::kernels::fp8_scaled() {
+        for &(isa, on) in &f.isas {
+            bespoke::kernels::set_fp8_scaled(isa, on);
+        }
+    }
+}
+
+fn fp8_scaled_x_bound_checks() {
     let ks = runnable();
     let mut rng = Rng(11);
     let below = f32::from_bits(256f32.to_bits() - 1); // the largest f32 under 256
