@@ -26,6 +26,7 @@ fn main() {
         shapes: bespoke::bench::ShapeSet::Default,
         isas: vec![],
         weight_offset: 0,
+        fp8_subnormal: 0.0,
         tokens: 1,
         attention: true,
         context: None,

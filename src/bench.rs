@@ -44,6 +44,9 @@ pub struct Options {
     /// The weights start this many bytes past a 64-byte boundary (0..64, a
     /// multiple of 8); see [`check_weight_offset`].
     pub weight_offset: usize,
+    /// This fraction of the FP8 weights' codes made subnormal (magnitude
+    /// 1..7, sign kept), 0 to 0.5; see [`check_fp8_subnormal`].
+    pub fp8_subnormal: f64,
     /// Tokens per call: 1 times the matvec kernels (decode), more the
     /// matmul kernels Y = W·X with that many columns of X (prefill, several
     /// tokens of an expert); see [`check_tokens`].
@@ -54,6 +57,17 @@ pub struct Options {
     /// Positions in the KV cache for the attention cases (None: 4096, or
     /// 512 with `quick`); see [`check_context`].
     pub context: Option<usize>,
+}
+
+/// `--fp8-subnormal`: the fraction of FP8 codes made subnormal.
+pub fn check_fp8_subnormal(f: f64) -> Result<(), String> {
+    if (0.0..=0.5).contains(&f) {
+        Ok(())
+    } else {
+        Err(format!(
+            "--fp8-subnormal {f}: expected a fraction from 0 to 0.5 (e.g. 0.001: 1 code in 1000)"
+        ))
+    }
 }
 
 /// `--context`: positions in the attention cases' KV cache.
@@ -262,6 +276,10 @@ pub struct Results {
     pub machine: Machine,
     /// Bytes past a 64-byte boundary the weights started at.
     pub weight_offset: usize,
+    /// The fraction of FP8 codes made subnormal (`--fp8-subnormal`).
+    pub fp8_subnormal: f64,
+    /// Whether each ISA's FP8 "s" tiles ran (`kernels::fp8_scaled`).
+    pub fp8_scaled: std::collections::BTreeMap<String, bool>,
     /// Tokens per call (1: the matvec kernels).
     pub tokens: usize,
     pub bandwidth: Vec<Bandwidth>,
@@ -491,6 +509,7 @@ pub(crate) fn make_weights(
     cols: usize,
     seed: u64,
     offset: usize,
+    fp8_subnormal: f64,
 ) -> Weights0 {
     let n = rows * cols;
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -526,7 +545,18 @@ pub(crate) fn make_weights(
                     crate::formats::f32_to_e4m3((z * 100.0) as f32)
                 })
                 .collect();
-            (w.b, w.b_at) = placed(n, offset, || table[(next() % 4096) as usize]);
+            // With --fp8-subnormal f, each code is made subnormal with
+            // probability f (a 53-bit uniform against it).
+            let cut = (fp8_subnormal * (1u64 << 53) as f64) as u64;
+            (w.b, w.b_at) = placed(n, offset, || {
+                let r = next();
+                let c = table[(r % 4096) as usize];
+                if (r >> 11) < cut {
+                    (c & 0x80) | (1 + ((r >> 12) % 7) as u8)
+                } else {
+                    c
+                }
+            });
             let (sr, sc) = format.scale_shape(rows, cols).unwrap_or((0, 0));
             w.s = vec![120; sr * sc];
         }
@@ -1032,6 +1062,7 @@ fn time_attention(
 pub fn kernels(opts: &Options) -> Result<Results, String> {
     // Bad options fail before the slow part (the bandwidth probe).
     check_weight_offset(opts.weight_offset)?;
+    check_fp8_subnormal(opts.fp8_subnormal)?;
     check_tokens(opts.tokens)?;
     if let Some(c) = opts.context {
         check_context(c)?;
@@ -1077,6 +1108,12 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             ""
         }
     );
+    if opts.fp8_subnormal > 0.0 {
+        eprintln!(
+            "FP8 weights: {} of the codes subnormal (--fp8-subnormal)",
+            opts.fp8_subnormal
+        );
+    }
     if let Ok(f) = crate::kernels::fp8_scaled() {
         if !f.isas.is_empty() {
             let each: Vec<String> = f
@@ -1242,7 +1279,14 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             Act::Dot => crate::plan::dot_family(format).to_string(),
             Act::Amx => amx_label(format).to_string(),
         };
-        let one = make_weights(format, rows, cols, ci as u64 + 1, opts.weight_offset);
+        let one = make_weights(
+            format,
+            rows,
+            cols,
+            ci as u64 + 1,
+            opts.weight_offset,
+            opts.fp8_subnormal,
+        );
         let bytes = matrix(format, rows, cols, &one).bytes();
         // What the cache-resident case is set against: a read of as many bytes.
         let hot = read_buffer(bytes.max(64));
@@ -1252,7 +1296,16 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
             0
         };
         let stream: Vec<Weights0> = (0..copies)
-            .map(|i| make_weights(format, rows, cols, 1000 + i as u64, opts.weight_offset))
+            .map(|i| {
+                make_weights(
+                    format,
+                    rows,
+                    cols,
+                    1000 + i as u64,
+                    opts.weight_offset,
+                    opts.fp8_subnormal,
+                )
+            })
             .collect();
         // n_tok tokens of activations, token-major.
         let x: Vec<f32> = (0..n_tok * cols)
@@ -1421,6 +1474,11 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
     Ok(Results {
         machine,
         weight_offset: opts.weight_offset,
+        fp8_subnormal: opts.fp8_subnormal,
+        fp8_scaled: crate::kernels::fp8_scaled()
+            .as_ref()
+            .map(|f| f.isas.iter().map(|(i, on)| (i.to_string(), *on)).collect())
+            .unwrap_or_default(),
         tokens: n_tok,
         bandwidth,
         peaks,

@@ -59,7 +59,7 @@ pub fn bench_gpu(set: &ShapeSet, formats: &[Format], quick: bool) -> Result<GpuR
                 i + 1,
                 cases.len()
             );
-            let w = crate::bench::make_weights(format, rows, cols, i as u64 + 1, 0);
+            let w = crate::bench::make_weights(format, rows, cols, i as u64 + 1, 0, 0.0);
             let m = crate::bench::matrix(format, rows, cols, &w);
             let d = g.upload_matrix(&m)?;
             let wbytes = m.bytes() as f64;

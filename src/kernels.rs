@@ -290,12 +290,12 @@ impl PeakProbe {
 
 /// Whether the FP8 kernels' "s" tiles are on, per ISA that has them
 /// (AVX2, AVX-512), and why. In those tiles x is copied times 2^120 and
-/// each code's bits go straight into an f32 (w times 2^-120), so that zero
-/// and subnormal codes become f32 subnormals; on cores that take a
+/// each code's bits go straight into an f32 (w times 2^-120), so that
+/// subnormal codes become f32 subnormals; on cores that take a
 /// microcode assist for a subnormal multiply-add operand (Intel's) every
 /// vector that holds one costs about 100 cycles. Off, the ISA's "p" tiles
 /// take every x: on AVX-512 they are exact for every code with no
-/// subnormal, at 0.90-0.92x the "s" tiles' speed on a matrix without any
+/// subnormal, at 0.78-0.86x the "s" tiles' speed cache-resident on a matrix without any (the same streamed)
 /// (the same bits either way, by the numerics contract).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Fp8Scaled {
@@ -2049,7 +2049,9 @@ mod tests {
     /// gives a ratio wherever the CPU has the ISA.
     #[test]
     fn fp8_scaled_switch() {
-        let setting = fp8_scaled().clone().expect("BESPOKE_FP8_SCALED is unset or valid in tests");
+        let setting = fp8_scaled()
+            .clone()
+            .expect("BESPOKE_FP8_SCALED is unset or valid in tests");
         let x = vec![0.5f32; 256];
         for &(isa, _) in FP8_SCALED_SWITCHES {
             let Ok(k) = Kernels::with_isa(isa) else {
@@ -2075,7 +2077,10 @@ mod tests {
         for &(isa, on) in &setting.isas {
             assert!(set_fp8_scaled(isa, on));
         }
-        assert!(!set_fp8_scaled(Isa::Scalar, true), "the scalar kernels have no \"s\" tiles");
+        assert!(
+            !set_fp8_scaled(Isa::Scalar, true),
+            "the scalar kernels have no \"s\" tiles"
+        );
     }
 
     /// X reaches the kernels on a cache line when they read it in place and

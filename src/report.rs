@@ -106,7 +106,7 @@ pub fn variants_report(
                 .collect();
             writeln!(
                 out,
-                "FP8 \"s\" tiles (x times 2^120; zero and subnormal codes become f32 subnormals): {} — {} (BESPOKE_FP8_SCALED=auto|on|off)",
+                "FP8 \"s\" tiles (x times 2^120; subnormal codes become f32 subnormals): {} — {} (BESPOKE_FP8_SCALED=auto|on|off)",
                 each.join(", "),
                 f.reason
             )

@@ -1234,12 +1234,23 @@ fn expert_usage_is_saved_next_to_the_model() {
 fn bench_kernels_isa_and_weight_offset() {
     let path = std::env::temp_dir().join(format!("bespoke-bench-isa-{}.json", std::process::id()));
     let p = path.to_str().unwrap();
-    let (ok, _, err) = run(&[words("bench kernels --quick --threads 1 --formats fp8 --isa scalar --weight-offset 24 --json"), vec![p]].concat());
+    let (ok, _, err) = run(&[words("bench kernels --quick --threads 1 --formats fp8 --isa scalar --weight-offset 24 --fp8-subnormal 0.01 --json"), vec![p]].concat());
     assert!(ok, "{err}");
     assert!(err.contains("24 bytes past a 64-byte boundary"), "{err}");
+    assert!(err.contains("0.01 of the codes subnormal"), "{err}");
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     assert_eq!(v["weight_offset"], 24);
+    assert_eq!(v["fp8_subnormal"], 0.01);
+    // Which ISAs' FP8 "s" tiles ran: those of AVX2 and AVX-512 that the
+    // build has, each on or off.
+    let scaled = v["fp8_scaled"].as_object().unwrap();
+    assert!(
+        scaled
+            .iter()
+            .all(|(isa, on)| ["avx2", "avx512"].contains(&isa.as_str()) && on.is_boolean()),
+        "{scaled:?}"
+    );
     let ks = v["kernels"].as_array().unwrap();
     assert!(
         !ks.is_empty() && ks.iter().all(|k| k["isa"] == "scalar"),
@@ -1256,6 +1267,10 @@ fn bench_kernels_isa_and_weight_offset() {
             "--weight-offset 12: expected a multiple of 8 below 64",
         ),
         (["--weight-offset", "64"], "--weight-offset 64"),
+        (
+            ["--fp8-subnormal", "0.6"],
+            "--fp8-subnormal 0.6: expected a fraction from 0 to 0.5",
+        ),
     ] {
         let mut a = vec![
             "bench",

@@ -473,7 +473,10 @@ fn fp8_scaled_x_bound() {
             .copied()
             .filter(|&isa| bespoke::kernels::set_fp8_scaled(isa, on))
             .collect();
-        eprintln!("fp8 \"s\" tiles {}: {switched:?}", if on { "on" } else { "off" });
+        eprintln!(
+            "fp8 \"s\" tiles {}: {switched:?}",
+            if on { "on" } else { "off" }
+        );
         fp8_scaled_x_bound_checks();
     }
     // Back to this process's setting for the tests after it.

@@ -209,6 +209,14 @@ enum BenchWhat {
         /// streamed kernels a few percent to a fifth of their speed.
         #[arg(long, value_name = "BYTES", default_value_t = 0)]
         weight_offset: usize,
+        /// Make this fraction of the FP8 weights' codes subnormal (0 to
+        /// 0.5; e.g. 0.001). The default weights are Gaussian, scaled as a
+        /// checkpoint's blocks are, and hold almost none; a block whose
+        /// largest weight is an outlier holds more. On cores that take a
+        /// microcode assist for a subnormal multiply-add operand this is
+        /// what BESPOKE_FP8_SCALED=auto guards against
+        #[arg(long, value_name = "FRACTION", default_value_t = 0.0)]
+        fp8_subnormal: f64,
         /// Tokens per call: 1 (the default) times the matvec kernels, as
         /// decode runs them; N > 1 the matmul kernels Y = W·X with N columns
         /// of X, as prefill runs them (the engine's step is 256 tokens, 1024
@@ -391,6 +399,7 @@ fn run(cli: Cli) -> Result<(), String> {
                     formats,
                     isa,
                     weight_offset,
+                    fp8_subnormal,
                     tokens,
                     context,
                 },
@@ -457,6 +466,7 @@ fn run(cli: Cli) -> Result<(), String> {
                 shapes,
                 isas,
                 weight_offset,
+                fp8_subnormal,
                 tokens,
                 attention,
                 context,
