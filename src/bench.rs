@@ -1116,14 +1116,9 @@ pub fn kernels(opts: &Options) -> Result<Results, String> {
     }
     if let Ok(f) = crate::kernels::fp8_scaled() {
         if !f.isas.is_empty() {
-            let each: Vec<String> = f
-                .isas
-                .iter()
-                .map(|(isa, on)| format!("{isa} {}", if *on { "on" } else { "off" }))
-                .collect();
             eprintln!(
                 "FP8 \"s\" tiles: {} ({}; BESPOKE_FP8_SCALED=on|off to choose)",
-                each.join(", "),
+                f.summary(),
                 f.reason
             );
         }

@@ -305,6 +305,17 @@ pub struct Fp8Scaled {
     pub reason: String,
 }
 
+impl Fp8Scaled {
+    /// Each ISA and whether its "s" tiles are on: "avx2 on, avx512 off".
+    pub fn summary(&self) -> String {
+        self.isas
+            .iter()
+            .map(|(isa, on)| format!("{isa} {}", if *on { "on" } else { "off" }))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
 /// A subnormal multiply-add operand costs this many times a normal one or
 /// more: "slow" (on an Intel Xeon VM, Granite Rapids class: about 100; on
 /// the AMD cores the "s" tiles were written on, none).

@@ -98,20 +98,13 @@ pub fn variants_report(
     )
     .unwrap();
     match kernels::fp8_scaled() {
-        Ok(f) if !f.isas.is_empty() => {
-            let each: Vec<String> = f
-                .isas
-                .iter()
-                .map(|(isa, on)| format!("{isa} {}", if *on { "on" } else { "off" }))
-                .collect();
-            writeln!(
-                out,
-                "FP8 \"s\" tiles (x times 2^120; subnormal codes become f32 subnormals): {} — {} (BESPOKE_FP8_SCALED=auto|on|off)",
-                each.join(", "),
-                f.reason
-            )
-            .unwrap();
-        }
+        Ok(f) if !f.isas.is_empty() => writeln!(
+            out,
+            "FP8 \"s\" tiles (x times 2^120; subnormal codes become f32 subnormals): {} — {} (BESPOKE_FP8_SCALED=auto|on|off)",
+            f.summary(),
+            f.reason
+        )
+        .unwrap(),
         Ok(_) => {}
         Err(e) => writeln!(out, "FP8 \"s\" tiles: error: {e}").unwrap(),
     }

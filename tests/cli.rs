@@ -28,6 +28,7 @@ fn run_env(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .env_remove("BESPOKE_KERNELS")
         .env_remove("BESPOKE_SPECIALISED")
+        .env_remove("BESPOKE_FP8_SCALED")
         .envs(env.iter().copied())
         .output()
         .expect("run bespoke");
@@ -1353,6 +1354,43 @@ fn bench_kernels_tokens_and_compute_roof() {
             "--tokens {n}: {err}"
         );
     }
+}
+
+/// `BESPOKE_FP8_SCALED=on|off` chooses the FP8 "s" tiles: the DeepSeek V4
+/// fixture (FP8 attention and shared experts) writes the same text either
+/// way, `plan` says which ran and why, and a bad value is a clear error.
+#[test]
+fn fp8_scaled_env() {
+    let args = words("run --model fixtures/tiny-dsv4 --max-new-tokens 4 --threads 1");
+    let mut texts = Vec::new();
+    for v in ["on", "off"] {
+        let (ok, out, err) = run_env(
+            &args,
+            &[("BESPOKE_FP8_SCALED", v), ("BESPOKE_USAGE", "off")],
+        );
+        assert!(ok, "{v}: {err}");
+        texts.push(out);
+        let (ok, out, err) = run_env(&["plan"], &[("BESPOKE_FP8_SCALED", v)]);
+        assert!(ok, "{err}");
+        if bespoke::kernels::COMPILED_ISAS.contains(&bespoke::plan::Isa::Avx2) {
+            assert!(
+                out.contains(&format!("avx2 {v}"))
+                    && out.contains(&format!("BESPOKE_FP8_SCALED={v}")),
+                "{out}"
+            );
+        }
+    }
+    assert_eq!(
+        texts[0], texts[1],
+        "the \"s\" tiles on and off must give the same text"
+    );
+    let (ok, _, err) = run_env(&args, &[("BESPOKE_FP8_SCALED", "maybe")]);
+    assert!(!ok);
+    assert!(
+        err.contains("BESPOKE_FP8_SCALED=\"maybe\"") && err.contains("expected `auto`"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
 }
 
 /// `BESPOKE_SPECIALISED=off` runs every matrix on the generic kernels (the
