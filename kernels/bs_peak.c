@@ -102,30 +102,15 @@ static double peak_neon(size_t iters, float *sink)
 #endif
 
 /* Whether multiply-adds slow down on a subnormal operand, as the FP8 "s"
- * tiles' weights of zero and subnormal codes are (templates/matmul.c.tera,
+ * tiles' weights of subnormal codes are (templates/matmul.c.tera,
  * x_scalable): `iters` steps of 8 independent chains acc = fma(w, x, acc),
  * x = 2^120 and w = 2^-129 (subnormal) or 2^-100 (normal) in every lane, by
- * the AVX-512 FMA (kind BS_PEAK_F32_AVX512) or AVX2's (BS_PEAK_F32_AVX2).
+ * the AVX-512 FMA (kind BS_PEAK_F32_AVX512, the only kind: the switch it
+ * informs is AVX-512's).
  * Every product and sum is normal (2^-9 or 2^20 a step), so only w can be
  * what slows it. Returns the sum of the lanes (0 for a kind this build or
  * target lacks); src/kernels.rs times both and compares. */
 #if defined(__x86_64__)
-__attribute__((target("avx2,fma"))) static float subnormal_avx2(int sub, size_t iters)
-{
-    enum { C = 8 };
-    __m256 a[C];
-    const __m256 w = _mm256_set1_ps(sub ? 0x1p-129f : 0x1p-100f), x = _mm256_set1_ps(0x1p120f);
-    for (int i = 0; i < C; ++i) a[i] = _mm256_setzero_ps();
-    for (size_t t = 0; t < iters; ++t)
-        for (int i = 0; i < C; ++i) a[i] = _mm256_fmadd_ps(w, x, a[i]);
-    float s = 0.0f, l[8];
-    for (int i = 0; i < C; ++i) {
-        _mm256_storeu_ps(l, a[i]);
-        for (int j = 0; j < 8; ++j) s += l[j];
-    }
-    return s;
-}
-
 __attribute__((target("avx512f"))) static float subnormal_avx512(int sub, size_t iters)
 {
     enum { C = 8 };
@@ -144,8 +129,6 @@ float bs_subnormal_probe(unsigned kind, int sub, size_t iters)
 {
     switch (kind) {
 #if defined(__x86_64__)
-    case BS_PEAK_F32_AVX2:
-        return subnormal_avx2(sub, iters);
     case BS_PEAK_F32_AVX512:
         return subnormal_avx512(sub, iters);
 #endif
