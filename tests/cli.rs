@@ -1356,6 +1356,74 @@ fn bench_kernels_tokens_and_compute_roof() {
     }
 }
 
+/// `inspect --fp8-codes` counts the FP8 codes by kind: against a count
+/// made here from the file (header, then every F8_E4M3 tensor's bytes), in
+/// the JSON and the text; a model without FP8 tensors says so.
+#[test]
+fn inspect_counts_fp8_codes() {
+    let file = std::fs::read("fixtures/tiny-dsv4/model.safetensors").unwrap();
+    let n = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&file[8..8 + n]).unwrap();
+    let (mut tensors, mut codes, mut sub, mut zero, mut nan) = (0u64, 0u64, 0u64, 0u64, 0u64);
+    for (k, t) in header.as_object().unwrap() {
+        if k == "__metadata__" || t["dtype"] != "F8_E4M3" {
+            continue;
+        }
+        tensors += 1;
+        let (a, b) = (
+            t["data_offsets"][0].as_u64().unwrap() as usize,
+            t["data_offsets"][1].as_u64().unwrap() as usize,
+        );
+        for &c in &file[8 + n + a..8 + n + b] {
+            codes += 1;
+            match c & 0x7F {
+                0 => zero += 1,
+                1..=7 => sub += 1,
+                0x7F => nan += 1,
+                _ => {}
+            }
+        }
+    }
+    assert!(
+        tensors > 0 && sub > 0,
+        "the fixture has FP8 tensors with subnormal codes"
+    );
+    let (ok, out, err) = run(&words(
+        "inspect --model fixtures/tiny-dsv4 --json --fp8-codes",
+    ));
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let c = &v["fp8_codes"];
+    assert_eq!(
+        (
+            c["tensors"].as_u64(),
+            c["codes"].as_u64(),
+            c["subnormal"].as_u64(),
+            c["zero"].as_u64(),
+            c["nan"].as_u64()
+        ),
+        (Some(tensors), Some(codes), Some(sub), Some(zero), Some(nan)),
+        "{c}"
+    );
+    let (ok, out, err) = run(&words(
+        "inspect --model fixtures/tiny-dsv4 --brief --fp8-codes",
+    ));
+    assert!(ok, "{err}");
+    assert!(
+        out.contains(&format!("in {tensors} tensors: {sub} subnormal")),
+        "{out}"
+    );
+    let (ok, out, _) = run(&words(
+        "inspect --model fixtures/tiny-llama --brief --fp8-codes",
+    ));
+    assert!(ok && out.contains("no F8_E4M3 tensor"), "{out}");
+    let (_, out, _) = run(&words("inspect --model fixtures/tiny-dsv4 --json"));
+    assert!(
+        out.contains("\"tensors\"") && !out.contains("fp8_codes"),
+        "only with --fp8-codes"
+    );
+}
+
 /// `BESPOKE_FP8_SCALED=on|off` chooses the FP8 "s" tiles: the DeepSeek V4
 /// fixture (FP8 attention and shared experts) writes the same text either
 /// way, `plan` says which ran and why, and a bad value is a clear error.
