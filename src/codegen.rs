@@ -706,22 +706,22 @@ pub fn build() -> BuildResult<()> {
     .unwrap();
     // The FP8 "s" tiles' switch (templates/matmul.c.tera, x_scalable) of
     // every compiled ISA that has them.
-    let scaled_isas: Vec<&Isa> = isas.iter().filter(|i| i.desc().fp8_scaled).collect();
-    let fp8_scaled_fns: Vec<String> = scaled_isas
+    let switches: Vec<(Isa, String)> = isas
         .iter()
-        .map(|i| format!("bs_fp8_scaled_{}", i.name()))
+        .filter(|i| i.desc().fp8_scaled)
+        .map(|&i| (i, format!("bs_fp8_scaled_{}", i.name())))
         .collect();
     writeln!(
         table,
         "\npub static FP8_SCALED_SWITCHES: &[(Isa, unsafe extern \"C\" fn(std::os::raw::c_int))] = &[{}];",
-        scaled_isas
+        switches
             .iter()
-            .zip(&fp8_scaled_fns)
             .map(|(i, f)| format!("(Isa::{i:?}, ffi::{f})"))
             .collect::<Vec<_>>()
             .join(", ")
     )
     .unwrap();
+    let fp8_scaled_fns: Vec<&String> = switches.iter().map(|(_, f)| f).collect();
     writeln!(
         table,
         "\npub static COMPILED_ISAS: &[Isa] = &[{}];",

@@ -295,8 +295,9 @@ impl PeakProbe {
 /// microcode assist for a subnormal multiply-add operand (Intel's) every
 /// vector that holds one costs about 100 cycles. Off, the ISA's "p" tiles
 /// take every x: on AVX-512 they are exact for every code with no
-/// subnormal, at 0.78-0.86x the "s" tiles' speed cache-resident on a matrix without any (the same streamed)
-/// (the same bits either way, by the numerics contract).
+/// subnormal, at 0.78-0.86x the "s" tiles' speed cache-resident on a
+/// matrix without any, the same streamed (the same bits either way, by the
+/// numerics contract).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Fp8Scaled {
     /// Every compiled ISA with "s" tiles, and whether they are on.
@@ -356,13 +357,7 @@ pub fn subnormal_cost(isa: Isa) -> Option<f64> {
 pub fn fp8_scaled() -> &'static Result<Fp8Scaled, KernelError> {
     static SETTING: OnceLock<Result<Fp8Scaled, KernelError>> = OnceLock::new();
     SETTING.get_or_init(|| {
-        let v = std::env::var("BESPOKE_FP8_SCALED").ok();
-        let forced = match v.as_deref().map(str::trim) {
-            None | Some("") | Some("auto") => None,
-            Some("on") => Some(true),
-            Some("off") => Some(false),
-            Some(other) => return Err(KernelError::BadFp8Scaled(other.to_string())),
-        };
+        let forced = fp8_scaled_forced()?;
         let mut reason = String::new();
         let isas = FP8_SCALED_SWITCHES
             .iter()
@@ -395,6 +390,22 @@ pub fn fp8_scaled() -> &'static Result<Fp8Scaled, KernelError> {
         }
         Ok(Fp8Scaled { isas, reason })
     })
+}
+
+/// BESPOKE_FP8_SCALED as asked: None for `auto` (or unset), else on / off.
+/// Only the variable is read (no probe), so that [`Kernels::from_env`] can
+/// check it at start-up and leave the probe to the first FP8 kernel.
+fn fp8_scaled_forced() -> Result<Option<bool>, KernelError> {
+    match std::env::var("BESPOKE_FP8_SCALED")
+        .ok()
+        .as_deref()
+        .map(str::trim)
+    {
+        None | Some("") | Some("auto") => Ok(None),
+        Some("on") => Ok(Some(true)),
+        Some("off") => Ok(Some(false)),
+        Some(other) => Err(KernelError::BadFp8Scaled(other.to_string())),
+    }
 }
 
 /// Switch `isa`'s FP8 "s" tiles on or off for the rest of the process
@@ -910,13 +921,13 @@ impl Kernels {
     }
 
     /// The process-wide choice from BESPOKE_KERNELS and BESPOKE_SPECIALISED,
-    /// made once.
+    /// made once; a bad BESPOKE_FP8_SCALED is reported here too.
     pub fn from_env() -> Result<Choice, KernelError> {
         static CHOICE: OnceLock<Result<Choice, KernelError>> = OnceLock::new();
         CHOICE
             .get_or_init(|| {
                 let mut c = Kernels::choose(std::env::var("BESPOKE_KERNELS").ok().as_deref())?;
-                fp8_scaled().clone()?;
+                fp8_scaled_forced()?;
                 if !specialised_from(std::env::var("BESPOKE_SPECIALISED").ok().as_deref())? {
                     c.kernels = c.kernels.with_specialised(false);
                     c.reason

@@ -481,9 +481,7 @@ fn inspect_every_fixture() {
 #[test]
 fn inspect_reports_matrix_alignment() {
     for name in ["tiny-llama", "tiny-dsv4"] {
-        let file = std::fs::read(format!("fixtures/{name}/model.safetensors")).unwrap();
-        let n = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
-        let header: serde_json::Value = serde_json::from_slice(&file[8..8 + n]).unwrap();
+        let (_, n, header) = safetensors_file(name);
         let (mut count, mut want) = (0u64, serde_json::Map::new());
         for (k, t) in header.as_object().unwrap() {
             if k == "__metadata__"
@@ -1356,14 +1354,21 @@ fn bench_kernels_tokens_and_compute_roof() {
     }
 }
 
+/// A fixture's model.safetensors: its bytes, the header's length and the
+/// header (data starts at 8 + that length).
+fn safetensors_file(name: &str) -> (Vec<u8>, usize, serde_json::Value) {
+    let file = std::fs::read(format!("fixtures/{name}/model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+    let header = serde_json::from_slice(&file[8..8 + n]).unwrap();
+    (file, n, header)
+}
+
 /// `inspect --fp8-codes` counts the FP8 codes by kind: against a count
 /// made here from the file (header, then every F8_E4M3 tensor's bytes), in
 /// the JSON and the text; a model without FP8 tensors says so.
 #[test]
 fn inspect_counts_fp8_codes() {
-    let file = std::fs::read("fixtures/tiny-dsv4/model.safetensors").unwrap();
-    let n = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Value = serde_json::from_slice(&file[8..8 + n]).unwrap();
+    let (file, n, header) = safetensors_file("tiny-dsv4");
     let (mut tensors, mut codes, mut sub, mut zero, mut nan) = (0u64, 0u64, 0u64, 0u64, 0u64);
     for (k, t) in header.as_object().unwrap() {
         if k == "__metadata__" || t["dtype"] != "F8_E4M3" {
