@@ -139,8 +139,8 @@ fn awkward_shapes(format: Format) -> Vec<(usize, usize)> {
             (9, 257),
             // AVX-512 BF16 one-token tiles step whole 64-byte lines (32
             // columns), then one 16-column group, then a partial one; rows of
-            // up to 1024 columns go one at a time (AVX2: 2048), longer ones
-            // 12 at a time, then 4, then single rows (17 = 12 + 4 + 1).
+            // up to 2048 columns go one at a time, longer ones 12 at a time,
+            // then 4, then single rows (17 = 12 + 4 + 1).
             (21, 120),
             (10, 1024),
             (10, 2048),

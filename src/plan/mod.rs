@@ -273,16 +273,13 @@ pub struct IsaDesc {
     /// streamed at 20-29 GB/s where the 4-row tiles read 15-23, and decode
     /// end to end at 1 thread rose 1.18-1.23x; cache-resident 0.45x (the
     /// chains' latency again). Not measured on a CPU whose best variant
-    /// is AVX2. AVX-512 later moved to 1024 (2026-12-06, a Zen 4 VM): once
-    /// the 12-row line tile decoded each row just before its FMAs (no
-    /// spills), it streamed 2048-column rows at 24.6-27.1 GB/s where one
-    /// row at a time read 20.2-22.4, and ran 1.1x cache-resident; at 1024
-    /// columns the two were level streamed, at 896 one row read more.
+    /// is AVX2. Kept at 2048 on AVX-512 after the 12-row line tile stopped
+    /// spilling (2026-12-06, a Zen 4 VM): in a C program over aligned
+    /// buffers that tile then streamed 2048-column rows faster than one row
+    /// at a time (24.6-27.1 against 20.2-22.4 GB/s), but end to end, over
+    /// weights mapped from a file in 4 KiB pages, 1-thread decode of the
+    /// 0.92 GiB bench Llama fell from 22.3-23.7 to 20.4-22.6 tok/s with it.
     pub bf16_one_row_cols: usize,
-    /// The same limit for the bf16dot kernels (`BD_ONE_ROW_COLS`; AVX-512
-    /// only, 0 elsewhere): their row sum is one chain of VDPBF16PS, and
-    /// 2048 is where they were measured to gain (2026-12-04).
-    pub bf16dot_one_row_cols: usize,
     /// How many rows the fp4×q8 kernel computes side by side, one from each
     /// part of its call's range (the rows split into this many equal parts;
     /// what is left over one at a time): a row is one sequential stream, and
@@ -325,7 +322,6 @@ impl Isa {
                 matvec_page_bytes: 0,
                 bf16_line: false,
                 bf16_one_row_cols: 0,
-                bf16dot_one_row_cols: 0,
                 q8_rows: 1,
                 score: 1,
             },
@@ -355,7 +351,6 @@ impl Isa {
                 matvec_page_bytes: 0,
                 bf16_line: false,
                 bf16_one_row_cols: 2048,
-                bf16dot_one_row_cols: 0,
                 q8_rows: 2,
                 score: 20,
             },
@@ -404,8 +399,7 @@ impl Isa {
                 matvec_row_step: 1,
                 matvec_page_bytes: 4096,
                 bf16_line: true,
-                bf16_one_row_cols: 1024,
-                bf16dot_one_row_cols: 2048,
+                bf16_one_row_cols: 2048,
                 q8_rows: 4,
                 score: 30,
             },
@@ -431,7 +425,6 @@ impl Isa {
                 matvec_page_bytes: 0,
                 bf16_line: false,
                 bf16_one_row_cols: 0,
-                bf16dot_one_row_cols: 0,
                 q8_rows: 1,
                 score: 20,
             },
