@@ -242,7 +242,11 @@ fn tiles(isa: Isa, f: Format) -> Vec<Tile> {
             Tile { rows: 1, cols: q },
         ]
     });
-    for t in all.into_iter().chain(rest) {
+    // BF16 rows short enough to go one at a time go two at a time instead,
+    // half the range apart (templates/matmul.c.tera, row_tiles' spread).
+    let spread = (f == Format::Bf16 && isa.desc().bf16_one_row_cols > 0)
+        .then_some(Tile { rows: 2, cols: 1 });
+    for t in all.into_iter().chain(rest).chain(spread) {
         if !v.contains(&t) {
             v.push(t);
         }
@@ -611,7 +615,9 @@ pub fn build() -> BuildResult<()> {
         let mut tiles: Vec<[usize; 2]> = Vec::new();
         let wanted = std::iter::once([mr, nr])
             .chain(rest_tiles.iter().map(|&q| [mr, q]))
-            .chain([[mv, 1]]);
+            .chain([[mv, 1]])
+            // BF16's short rows two at a time (bd_body, BD_ONE_ROW_COLS).
+            .chain((f == Format::Bf16).then_some([2, 1]));
         for t in wanted.flat_map(|t| [t, [1, t[1]]]) {
             if !tiles.contains(&t) {
                 tiles.push(t);

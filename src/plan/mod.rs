@@ -256,11 +256,20 @@ pub struct IsaDesc {
     /// in one C program, same bits) the 8-row tile read 4-12 % more at 1024
     /// to 5632 columns.
     pub bf16_line: bool,
-    /// BF16 matvecs with at most this many columns take their rows one at a
-    /// time, a line per step: one sequential stream. A row's sum is then one
-    /// dependent FMA chain (AVX-512: 8 bytes of weights per cycle at most),
-    /// which pays only while the out-of-order window reaches into the next
-    /// row; 0: never. Measured as for `bf16_line`, against the 8-row tile:
+    /// BF16 matvecs with at most this many columns take their rows two at a
+    /// time, the first half of the range beside the second (a 2-row tile
+    /// whose rows are half the range apart, each prefetching its own next
+    /// row), a line per step: two sequential streams; 0: never (the 8- or
+    /// 12-row tiles). They took one row at a time until 2026-12-06, and
+    /// the history below is of that: a row's sum is one dependent FMA chain
+    /// (AVX-512: 8 bytes of weights per cycle at most), which pays only while
+    /// the out-of-order window reaches into the next row. Two rows far
+    /// apart run two chains and read as fast streamed (a Zen 4 VM, `bench
+    /// kernels --model` the bench Llama, builds alternated: 2048-column
+    /// matrices cache-resident 1.2-1.5x on AVX-512 and bf16dot, 1.7-1.9x on
+    /// AVX2, streamed level to 1.2x; decode end to end level at 1 thread,
+    /// ten alternations), where two neighbouring rows side by side read
+    /// 40 % less streamed (C program, 320 MiB of matrices). Measured as for `bf16_line`, against the 8-row tile:
     /// 1024 columns 1.32-1.41x, 2048 1.15-1.31x, 2560 and 3072 0.85-1.24x
     /// (so 2048), 4096 and up slower; cache-resident at 2048 columns 0.66x
     /// (the chain's latency), which a model larger than the last-level
