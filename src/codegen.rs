@@ -244,9 +244,15 @@ fn tiles(isa: Isa, f: Format) -> Vec<Tile> {
     });
     // BF16 rows short enough to go one at a time go two at a time instead,
     // half the range apart (templates/matmul.c.tera, row_tiles' spread).
-    let spread = (f == Format::Bf16 && isa.desc().bf16_one_row_cols > 0)
-        .then_some(Tile { rows: 2, cols: 1 });
-    for t in all.into_iter().chain(rest).chain(spread) {
+    let desc = isa.desc();
+    let spread =
+        (f == Format::Bf16 && desc.bf16_one_row_cols > 0).then_some(Tile { rows: 2, cols: 1 });
+    // And rows a whole number of pages long take tiles of their own height.
+    let paged = (f == Format::Bf16 && desc.bf16_page_rows > 0).then_some(Tile {
+        rows: desc.bf16_page_rows,
+        cols: 1,
+    });
+    for t in all.into_iter().chain(rest).chain(spread).chain(paged) {
         if !v.contains(&t) {
             v.push(t);
         }

@@ -139,13 +139,17 @@ fn awkward_shapes(format: Format) -> Vec<(usize, usize)> {
             (9, 257),
             // AVX-512 BF16 one-token tiles step whole 64-byte lines (32
             // columns), then one 16-column group, then a partial one; rows of
-            // up to 2048 columns go one at a time, longer ones 12 at a time,
-            // then 4, then single rows (17 = 12 + 4 + 1).
+            // up to 2048 columns go two at a time, half the range apart (an
+            // odd count leaves one), longer ones 12 at a time, then 4, then
+            // single rows (17 = 12 + 4 + 1), and rows a whole number of 4 KiB
+            // pages long 8 at a time, then single rows (19 = 8 + 8 + 3).
             (21, 120),
             (10, 1024),
             (10, 2048),
             (17, 2048),
             (17, 2048 + 16 + 5),
+            (19, 4096),
+            (11, 8192),
             // Rows of 8 KiB and more (BF16): the matmul takes them in blocks
             // of 16 rows, X put in the permuted order once for all blocks.
             (40, 4100),

@@ -289,6 +289,16 @@ pub struct IsaDesc {
     /// weights mapped from a file in 4 KiB pages, 1-thread decode of the
     /// 0.92 GiB bench Llama fell from 22.3-23.7 to 20.4-22.6 tok/s with it.
     pub bf16_one_row_cols: usize,
+    /// BF16 matvecs whose rows are a whole number of 4 KiB pages long (4096,
+    /// 8192, 14336 columns ...) take tiles of this many rows in place of the
+    /// matvec tile's (0: the matvec tile for every row over
+    /// `bf16_one_row_cols`). In such rows each tile row's line of a step
+    /// falls in the same L1 set, which has 8 ways: the AVX-512 12-row tile
+    /// then reads past them. On a Zen 4 VM (C program, 1 thread) 8 rows
+    /// against 12 at 4096 columns: 1.15-1.4x in L3 and level or better
+    /// streamed; 14336 columns level (0.96-1.05x); where rows are not such
+    /// a multiple (5632, 11008) 12 rows stay faster (1.06-1.21x).
+    pub bf16_page_rows: usize,
     /// How many rows the fp4×q8 kernel computes side by side, one from each
     /// part of its call's range (the rows split into this many equal parts;
     /// what is left over one at a time): a row is one sequential stream, and
@@ -331,6 +341,7 @@ impl Isa {
                 matvec_page_bytes: 0,
                 bf16_line: false,
                 bf16_one_row_cols: 0,
+                bf16_page_rows: 0,
                 q8_rows: 1,
                 score: 1,
             },
@@ -360,6 +371,7 @@ impl Isa {
                 matvec_page_bytes: 0,
                 bf16_line: false,
                 bf16_one_row_cols: 2048,
+                bf16_page_rows: 0,
                 q8_rows: 2,
                 score: 20,
             },
@@ -409,6 +421,7 @@ impl Isa {
                 matvec_page_bytes: 4096,
                 bf16_line: true,
                 bf16_one_row_cols: 2048,
+                bf16_page_rows: 8,
                 q8_rows: 4,
                 score: 30,
             },
@@ -434,6 +447,7 @@ impl Isa {
                 matvec_page_bytes: 0,
                 bf16_line: false,
                 bf16_one_row_cols: 0,
+                bf16_page_rows: 0,
                 q8_rows: 1,
                 score: 20,
             },
