@@ -269,8 +269,8 @@ pub struct IsaDesc {
     /// matrices cache-resident 1.2-1.5x on AVX-512 and bf16dot, 1.7-1.9x on
     /// AVX2, streamed level to 1.2x; decode end to end level at 1 thread,
     /// ten alternations), where two neighbouring rows side by side read
-    /// 40 % less streamed (C program, 320 MiB of matrices). Measured as for `bf16_line`, against the 8-row tile:
-    /// 1024 columns 1.32-1.41x, 2048 1.15-1.31x, 2560 and 3072 0.85-1.24x
+    /// 40 % less streamed (C program, 320 MiB of matrices). One row at a
+    /// time, measured as for `bf16_line`, against the 8-row tile: 1024 columns 1.32-1.41x, 2048 1.15-1.31x, 2560 and 3072 0.85-1.24x
     /// (so 2048), 4096 and up slower; cache-resident at 2048 columns 0.66x
     /// (the chain's latency), which a model larger than the last-level
     /// cache never sees in decode. The bf16dot kernels (AVX-512 only) take
