@@ -242,8 +242,8 @@ fn tiles(isa: Isa, f: Format) -> Vec<Tile> {
             Tile { rows: 1, cols: q },
         ]
     });
-    // BF16 rows short enough to go one at a time go two at a time instead,
-    // half the range apart (templates/matmul.c.tera, row_tiles' spread).
+    // BF16 rows of up to bf16_one_row_cols columns go two at a time, half
+    // the range apart (templates/matmul.c.tera, row_tiles' spread).
     let desc = isa.desc();
     let spread =
         (f == Format::Bf16 && desc.bf16_one_row_cols > 0).then_some(Tile { rows: 2, cols: 1 });

@@ -266,8 +266,8 @@ pub struct IsaDesc {
     /// the out-of-order window reaches into the next row. Two rows far
     /// apart run two chains and read as fast streamed (a Zen 4 VM, `bench
     /// kernels --model` the bench Llama, builds alternated: 2048-column
-    /// matrices cache-resident 1.2-1.5x on AVX-512 and bf16dot, 1.7-1.9x on
-    /// AVX2, streamed level to 1.2x; decode end to end level at 1 thread,
+    /// matrices cache-resident 1.2-1.3x on AVX-512, 1.2-1.5x with bf16dot,
+    /// 1.4-1.9x on AVX2, streamed level to 1.2x; decode end to end level at 1 thread,
     /// ten alternations), where two neighbouring rows side by side read
     /// 40 % less streamed (C program, 320 MiB of matrices). One row at a
     /// time, measured as for `bf16_line`, against the 8-row tile: 1024 columns 1.32-1.41x, 2048 1.15-1.31x, 2560 and 3072 0.85-1.24x
@@ -297,7 +297,10 @@ pub struct IsaDesc {
     /// then reads past them. On a Zen 4 VM (C program, 1 thread) 8 rows
     /// against 12 at 4096 columns: 1.15-1.4x in L3 and level or better
     /// streamed; 14336 columns level (0.96-1.05x); where rows are not such
-    /// a multiple (5632, 11008) 12 rows stay faster (1.06-1.21x).
+    /// a multiple (5632, 11008) 12 rows stay faster (1.06-1.21x). The
+    /// generated kernels (2026-12-06, same VM, builds alternated): 4096 x
+    /// 4096 cache-resident 1.29-1.34x, streamed level or better; decode of
+    /// a 4096-hidden random Llama at 1 thread 1.10-1.22x.
     pub bf16_page_rows: usize,
     /// How many rows the fp4×q8 kernel computes side by side, one from each
     /// part of its call's range (the rows split into this many equal parts;
