@@ -90,6 +90,9 @@ pub fn bench_gpu(set: &ShapeSet, formats: &[Format], quick: bool) -> Result<GpuR
                     if format == Format::Fp4 && tc_on("mma_mxf4") && cols % 64 == 0 {
                         kernels.push(("bs_tc_mxf4_fp4".into(), n));
                     }
+                    if format == Format::Fp4 && tc_on("tcgen05_mxf4") && cols % 64 == 0 {
+                        kernels.push(("bs_tc_tcgen05_fp4".into(), n));
+                    }
                 }
             }
             for (k, n) in kernels {

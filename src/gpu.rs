@@ -340,7 +340,11 @@ mod imp {
                 }
             }
             if kernel.starts_with("bs_tc_") {
-                let k = if kernel == "bs_tc_mxf4_fp4" { 64 } else { 32 };
+                let k = if matches!(kernel, "bs_tc_mxf4_fp4" | "bs_tc_tcgen05_fp4") {
+                    64
+                } else {
+                    32
+                };
                 if m.cols % k != 0 {
                     return Err(format!(
                         "{kernel} needs cols a multiple of {k}, not {}",
@@ -362,13 +366,23 @@ mod imp {
             let f = self.function(kernel)?;
             let (rows, cols, nn) = (m.rows as i32, m.cols as i32, n as i32);
             let tc = kernel.starts_with("bs_tc_");
-            let quantized = matches!(kernel, "bs_tc_q8_fp4" | "bs_tc_fp8_fp8" | "bs_tc_mxf4_fp4");
+            let quantized = matches!(
+                kernel,
+                "bs_tc_q8_fp4" | "bs_tc_fp8_fp8" | "bs_tc_mxf4_fp4" | "bs_tc_tcgen05_fp4"
+            );
             let q = if quantized {
                 Some(self.quantize(kernel, xd, m.cols, n)?)
             } else {
                 None
             };
-            let cfg = if tc {
+            let cfg = if kernel == "bs_tc_tcgen05_fp4" {
+                // One CTA per 128 rows × 32 columns of X (BS_T5_N).
+                LaunchConfig {
+                    grid_dim: (m.rows.div_ceil(128) as u32, n.div_ceil(32) as u32, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                }
+            } else if tc {
                 LaunchConfig {
                     grid_dim: (m.rows.div_ceil(64) as u32, n.div_ceil(8) as u32, 1),
                     block_dim: (128, 1, 1),

@@ -212,6 +212,70 @@ fn specialised_cuda_kernels_run_for_the_build_shapes() {
     }
 }
 
+/// X rounded to MXFP4 as bs_cu_quant_mxf4 rounds it (templates/cuda.cu.tera):
+/// per 32 values the scale 2^(floor(log2 max|x|) - 2), each x / scale to the
+/// nearest E2M1, ties to the even code. Returns the decoded values.
+fn mxf4_round(x: &[f32]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for b in x.chunks(32) {
+        let amax = b.iter().fold(0f32, |a, v| a.max(v.abs()));
+        assert!(amax.is_finite(), "the test's X is finite");
+        let s = if amax > 0.0 {
+            // floor(log2 amax), exactly: the exponent field (amax is normal
+            // for the test's X).
+            assert!(amax.is_normal());
+            let e = ((amax.to_bits() >> 23) & 0xFF) as i32 - 127 - 2 + 127;
+            bespoke::formats::e8m0_to_f32(e.clamp(0, 254) as u8)
+        } else {
+            1.0
+        };
+        for &v in b {
+            let a = (v / s).abs();
+            let m = if a <= 0.25 {
+                0.0
+            } else if a < 0.75 {
+                0.5
+            } else if a <= 1.25 {
+                1.0
+            } else if a < 1.75 {
+                1.5
+            } else if a <= 2.5 {
+                2.0
+            } else if a < 3.5 {
+                3.0
+            } else if a <= 5.0 {
+                4.0
+            } else {
+                6.0
+            };
+            out.push(if v.is_sign_negative() { -m } else { m } * s);
+        }
+    }
+    out
+}
+
+/// The exact (f64) product of FP4 W and X rounded to MXFP4, and Σ|w·xq|.
+fn mxf4_product(m: &Matrix, x: &[f32], n: usize) -> (Vec<f32>, Vec<f32>) {
+    let (rows, cols) = (m.rows(), m.cols());
+    let xq = mxf4_round(x);
+    let (mut y, mut mag) = (vec![0f32; n * rows], vec![0f32; n * rows]);
+    for j in 0..n {
+        for r in 0..rows {
+            let (mut s, mut a) = (0f64, 0f64);
+            for c in 0..cols {
+                let w = bespoke::reference::weight(m, r, c) as f64
+                    * bespoke::reference::scale(m, r, c / 32) as f64;
+                let p = w * xq[j * cols + c] as f64;
+                s += p;
+                a += p.abs();
+            }
+            y[j * rows + r] = s as f32;
+            mag[j * rows + r] = a as f32;
+        }
+    }
+    (y, mag)
+}
+
 /// Which tensor-core kernels the loaded image has (from the build plan).
 fn tc_on(g: &gpu::Gpu, key: &str) -> bool {
     gpu::image_has_tc(g.image.arch, key)
@@ -222,8 +286,10 @@ fn tensor_core_paths_match_within_their_bounds() {
     let Some(g) = gpu_or_reason() else { return };
     let mut rng = Rng(13);
     let u = 2f64.powi(-24);
-    for &(rows, cols) in &[(64usize, 256usize), (130, 512), (256, 1024)] {
-        for n in [1usize, 8, 13] {
+    // 576 columns: 9 steps of K = 64, so tcgen05's last group of 4 is partial;
+    // 40 columns of X: two of its 32-wide tiles.
+    for &(rows, cols) in &[(64usize, 256usize), (130, 512), (256, 1024), (130, 576)] {
+        for n in [1usize, 8, 13, 40] {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.unit() * 4.0).collect();
             for f in [Format::Bf16, Format::Fp8, Format::Fp4] {
                 let o = Owned::new(f, rows, cols, &mut rng);
@@ -275,16 +341,35 @@ fn tensor_core_paths_match_within_their_bounds() {
                     }
                     println!("mma_int8 {rows}x{cols} n={n}: bit-identical to the CPU fp4×q8");
                 }
-                if f == Format::Fp4 && tc_on(g, "mma_mxf4") {
-                    // MXFP4 activations: up to one E2M1 step (a quarter of the
-                    // block's max) per element.
-                    let got = g.matmul("bs_tc_mxf4_fp4", &d, &x, n).unwrap();
+                for (key, kernel) in [
+                    ("mma_mxf4", "bs_tc_mxf4_fp4"),
+                    ("tcgen05_mxf4", "bs_tc_tcgen05_fp4"),
+                ] {
+                    if f != Format::Fp4 || !tc_on(g, key) || cols % 64 != 0 {
+                        continue;
+                    }
+                    let got = g.matmul(kernel, &d, &x, n).unwrap();
+                    // Against the f32 reference: MXFP4 activations are up to
+                    // one E2M1 step (a quarter of the block's max) off per
+                    // element.
                     check(
-                        &format!("mma_mxf4 {rows}x{cols} n={n}"),
+                        &format!("{key} {rows}x{cols} n={n}"),
                         &got,
                         &want,
                         &mag,
                         0.5,
+                    );
+                    // Against the exact MXFP4 × MXFP4 product (X rounded as
+                    // bs_cu_quant_mxf4 rounds it): only the tensor cores'
+                    // own summation is left, so a misplaced row, column,
+                    // block or scale shows here.
+                    let (exact, emag) = mxf4_product(&m, &x, n);
+                    check(
+                        &format!("{key} {rows}x{cols} n={n} vs exact MXFP4"),
+                        &got,
+                        &exact,
+                        &emag,
+                        2f64.powi(-10),
                     );
                 }
             }
@@ -372,4 +457,21 @@ fn score_runs_with_every_matrix_in_the_vram_tier() {
     }
     // The oracle comparison itself runs in tests/engine.rs and tests/dsv4.rs
     // (check_model) with BESPOKE_TEST_VRAM set by tools/gpu-check.sh.
+}
+
+#[test]
+fn mxf4_rounding_of_the_exact_check_follows_its_definition() {
+    // Runs without a GPU: the rounding the tensor-core checks compare against.
+    // A block with max 4: scale 2^(2 - 2) = 1; ties go to the even code.
+    let mut b = vec![0f32; 32];
+    b[..9].copy_from_slice(&[4.0, 0.6, -2.9, 1.25, 1.75, 0.25, -0.0, 3.5, 5.5]);
+    let q = mxf4_round(&b);
+    assert_eq!(&q[..9], &[4.0, 0.5, -3.0, 1.0, 2.0, 0.0, -0.0, 4.0, 6.0]);
+    assert!(q[6].is_sign_negative());
+    // Max 0.75: scale 2^(-1 - 2) = 1/8, so 0.75 is 6 · 1/8 and 0.1 is 0.8 → 1.
+    let mut b = vec![0f32; 32];
+    b[0] = 0.75;
+    b[1] = 0.1;
+    let q = mxf4_round(&b);
+    assert_eq!((q[0], q[1]), (0.75, 0.125));
 }

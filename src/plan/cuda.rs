@@ -11,7 +11,8 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// A GPU architecture, `sm_<major><minor>` plus `a` for the arch-specific
-/// feature set (wgmma on sm_90a, block-scaled mma on sm_120a/sm_121a).
+/// feature set (wgmma on sm_90a, tcgen05 on sm_100a/sm_103a, block-scaled
+/// mma.sync on sm_120a/sm_121a).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Arch {
     pub major: u32,
@@ -224,14 +225,19 @@ pub enum TcPath {
     /// UE8M0 scales × activations rounded to E2M1 with UE8M0 scales per 32
     /// columns (MXFP4 × MXFP4; sm_120a, sm_121a).
     MmaMxf4,
+    /// tcgen05.mma kind::mxf4.block_scale (sm_100a, sm_103a): the same MXFP4 ×
+    /// MXFP4 product on Blackwell's fifth-generation tensor cores, operands
+    /// in shared memory, scales and accumulators in tensor memory.
+    Tcgen05Mxf4,
 }
 
-pub const TC_PATHS: [TcPath; 5] = [
+pub const TC_PATHS: [TcPath; 6] = [
     TcPath::MmaBf16,
     TcPath::MmaInt8,
     TcPath::MmaFp8,
     TcPath::Wgmma,
     TcPath::MmaMxf4,
+    TcPath::Tcgen05Mxf4,
 ];
 
 impl TcPath {
@@ -243,6 +249,7 @@ impl TcPath {
             TcPath::MmaFp8 => "mma_fp8",
             TcPath::Wgmma => "wgmma",
             TcPath::MmaMxf4 => "mma_mxf4",
+            TcPath::Tcgen05Mxf4 => "tcgen05_mxf4",
         }
     }
 
@@ -253,6 +260,7 @@ impl TcPath {
             TcPath::MmaFp8 => "mma.sync FP8 E4M3 (FP8 weights × E4M3 activations)",
             TcPath::Wgmma => "wgmma BF16 (Hopper warpgroup mma)",
             TcPath::MmaMxf4 => "block-scaled mma.sync MXFP4 (E2M1 × E2M1, UE8M0 scales)",
+            TcPath::Tcgen05Mxf4 => "block-scaled tcgen05.mma MXFP4 (E2M1 × E2M1, UE8M0 scales)",
         }
     }
 
@@ -263,7 +271,8 @@ impl TcPath {
             TcPath::MmaInt8 => "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32",
             TcPath::MmaFp8 => "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
             TcPath::Wgmma => "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16",
-            TcPath::MmaMxf4 => "kind::mxf4.block_scale",
+            TcPath::MmaMxf4 => "mma.sync.aligned.m16n8k64.row.col.kind::mxf4.block_scale",
+            TcPath::Tcgen05Mxf4 => "tcgen05.mma.cta_group::1.kind::mxf4.block_scale",
         }
     }
 
@@ -273,7 +282,7 @@ impl TcPath {
             TcPath::MmaBf16 | TcPath::MmaInt8 => (11, 0),
             TcPath::MmaFp8 => (12, 4),
             TcPath::Wgmma => (12, 0),
-            TcPath::MmaMxf4 => (12, 8),
+            TcPath::MmaMxf4 | TcPath::Tcgen05Mxf4 => (12, 8),
         }
     }
 
@@ -294,9 +303,14 @@ impl TcPath {
                 "block-scaled mma needs the arch-specific target {name}a"
             )),
             TcPath::MmaMxf4 if a.major == 10 => Some(format!(
-                "{name} does block-scaled FP4 through tcgen05.mma, not in this version"
+                "{name} has no block-scaled mma.sync; its block-scaled FP4 is tcgen05.mma"
             )),
             TcPath::MmaMxf4 => Some(format!("{name} has no block-scaled mma (sm_120a, sm_121a)")),
+            TcPath::Tcgen05Mxf4 if a.major == 10 && a.specific => None,
+            TcPath::Tcgen05Mxf4 if a.major == 10 => {
+                Some(format!("tcgen05 needs the arch-specific target {name}a"))
+            }
+            TcPath::Tcgen05Mxf4 => Some(format!("{name} has no tcgen05 (sm_100a, sm_103a)")),
         }
     }
 }
@@ -415,6 +429,12 @@ mod tests {
         assert!(on("sm_120a", (12, 8), TcPath::MmaMxf4));
         assert!(!on("sm_120a", (12, 6), TcPath::MmaMxf4));
         assert!(!on("sm_121", (13, 0), TcPath::MmaMxf4));
+        // Blackwell data-centre parts: FP4 on tcgen05, not on mma.sync.
+        assert!(on("sm_100a", (12, 8), TcPath::Tcgen05Mxf4));
+        assert!(on("sm_103a", (12, 9), TcPath::Tcgen05Mxf4));
+        assert!(!on("sm_100a", (12, 8), TcPath::MmaMxf4));
+        assert!(!on("sm_100", (13, 0), TcPath::Tcgen05Mxf4));
+        assert!(!on("sm_120a", (13, 0), TcPath::Tcgen05Mxf4));
         assert!(decide(Arch::parse("sm_120a").unwrap(), (13, 0), true)
             .iter()
             .all(|d| !d.on && d.why.contains("BESPOKE_CUDA_TC=off")));
