@@ -80,6 +80,48 @@ pub fn image_has_tc(arch: &str, key: &str) -> bool {
         .is_some_and(|a| a.tc.iter().any(|d| d.on && d.path.key() == key))
 }
 
+/// The activations the CPU would give a product (its `--bf16-act`,
+/// `--fp8-act`, `--fp4-act` choice for the matrix's format and the token
+/// count), which picks the GPU kernel with the same numerics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuAct {
+    /// f32 activations: the CUDA-core kernels.
+    F32,
+    /// Activations rounded to BF16 (bf16dot, fp8dot, amx): the BF16
+    /// tensor-core kernel, weights decoded to BF16 exactly, f32 sums.
+    Bf16,
+    /// int8 activations (fp4×q8): the INT8 tensor-core kernel, which is the
+    /// CPU's fp4×q8 bit for bit.
+    Q8,
+}
+
+/// The fewest tokens a product takes to a tensor-core kernel. A decode
+/// step's matvec (one token) stays on the CUDA cores: it is bound by reading
+/// the weights, and a tensor-core tile would use one of its 8 columns.
+pub const TC_MIN_TOKENS: usize = 2;
+
+/// The tensor-core kernel for a product of `n` tokens over `cols` columns
+/// with activations `act`, where the image has it (`has`: a `TcPath::key`
+/// is on); None: the CUDA-core kernel.
+pub fn tc_kernel(
+    format: Format,
+    n: usize,
+    cols: usize,
+    act: GpuAct,
+    has: impl Fn(&str) -> bool,
+) -> Option<String> {
+    if n < TC_MIN_TOKENS || cols % 32 != 0 {
+        return None;
+    }
+    match act {
+        GpuAct::Q8 if format == Format::Fp4 && has("mma_int8") => Some("bs_tc_q8_fp4".into()),
+        GpuAct::Bf16 if format != Format::F32 && has("mma_bf16") => {
+            Some(format!("bs_tc_bf16_{}", format.name()))
+        }
+        _ => None,
+    }
+}
+
 /// `BESPOKE_CUDA=off` keeps a `cuda` build on the CPU.
 #[cfg(feature = "cuda")]
 fn disabled() -> bool {
@@ -665,11 +707,21 @@ pub mod tier {
     }
 
     /// Y = W X on the GPU for a resident matrix; `specialised`: the build has a
-    /// kernel for this shape. Err: the launch failed (the caller falls back).
-    pub fn matmul(d: &DevMat, specialised: bool, x: &[f32], n: usize) -> Result<Vec<f32>, String> {
+    /// kernel for this shape; `act`: the activations the CPU would use, which
+    /// send a prefill product to the tensor-core kernel of the same numerics
+    /// where the image has one ([`tc_kernel`]). Err: the launch failed (the
+    /// caller falls back).
+    pub fn matmul(
+        d: &DevMat,
+        specialised: bool,
+        x: &[f32],
+        n: usize,
+        act: GpuAct,
+    ) -> Result<Vec<f32>, String> {
         let g = gpu().map_err(str::to_string)?;
-        let shape = specialised.then_some((d.rows, d.cols));
-        g.matmul(&core_kernel(d.format, n, shape), d, x, n)
+        let kernel = tc_kernel(d.format, n, d.cols, act, |k| image_has_tc(g.image.arch, k))
+            .unwrap_or_else(|| core_kernel(d.format, n, specialised.then_some((d.rows, d.cols))));
+        g.matmul(&kernel, d, x, n)
     }
 }
 
@@ -758,5 +810,40 @@ pub fn core_kernel(format: Format, n: usize, shape: Option<(usize, usize)>) -> S
     match shape {
         Some((r, c)) => format!("bs_cu_{op}_{}_{r}x{c}", format.name()),
         None => format!("bs_cu_{op}_{}", format.name()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_products_take_the_tensor_cores_of_their_numerics() {
+        let all = |_: &str| true;
+        let none = |_: &str| false;
+        let k = |f, n, cols, act, has: &dyn Fn(&str) -> bool| tc_kernel(f, n, cols, act, has);
+        // f32 activations, or one token: the CUDA cores.
+        assert_eq!(k(Format::Bf16, 64, 256, GpuAct::F32, &all), None);
+        assert_eq!(k(Format::Bf16, 1, 256, GpuAct::Bf16, &all), None);
+        // BF16 activations: the BF16 mma for every weight format but F32.
+        assert_eq!(
+            k(Format::Fp8, 8, 256, GpuAct::Bf16, &all).as_deref(),
+            Some("bs_tc_bf16_fp8")
+        );
+        assert_eq!(k(Format::F32, 8, 256, GpuAct::Bf16, &all), None);
+        // fp4×q8: the INT8 mma, for FP4 only.
+        assert_eq!(
+            k(Format::Fp4, 2, 4096, GpuAct::Q8, &all).as_deref(),
+            Some("bs_tc_q8_fp4")
+        );
+        assert_eq!(k(Format::Bf16, 2, 4096, GpuAct::Q8, &all), None);
+        // The image lacks the path, or the columns do not fill its K steps.
+        assert_eq!(k(Format::Fp4, 8, 4096, GpuAct::Q8, &none), None);
+        assert_eq!(k(Format::Bf16, 8, 100, GpuAct::Bf16, &all), None);
+        assert_eq!(
+            k(Format::Bf16, 8, 256, GpuAct::Bf16, &|p: &str| p
+                == "mma_int8"),
+            None
+        );
     }
 }

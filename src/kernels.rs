@@ -1616,7 +1616,16 @@ impl Kernels {
             return None; // the CPU path reports the length error
         }
         let specialised = self.mat_kernel(m.format(), m.rows, m.cols).shape.is_some();
-        match crate::gpu::tier::matmul(&d, specialised, x, n) {
+        // The activations the CPU would use here pick the GPU kernel.
+        let f = m.format();
+        let act = if self.fp4_act == Fp4Act::Q8 && f == Format::Fp4 {
+            crate::gpu::GpuAct::Q8
+        } else if self.dot_act(f) || self.amx_min_tokens(f).is_some_and(|min| n >= min) {
+            crate::gpu::GpuAct::Bf16
+        } else {
+            crate::gpu::GpuAct::F32
+        };
+        match crate::gpu::tier::matmul(&d, specialised, x, n, act) {
             Ok(v) => {
                 y.copy_from_slice(&v);
                 Some(())
