@@ -225,6 +225,10 @@ pub struct NumericsArgs {
     /// on the GPU (dense matrices first, then the most used routed experts of
     /// each layer, counted in `<model>/.bespoke/expert-usage.json`). Default:
     /// the GPU's free memory less 1 GiB. 0 keeps every weight on the CPU.
+    /// Products on the GPU take f32 activations on the CUDA cores; under
+    /// --bf16-act, --fp8-act or --fp4-act other than f32, a prefill product
+    /// (2 tokens or more) takes the tensor cores of the same numerics (BF16
+    /// mma.sync; INT8 mma.sync for --fp4-act q8, the CPU's fp4×q8 exactly).
     #[arg(long, value_name = "GB")]
     pub vram: Option<f64>,
 }
