@@ -9,7 +9,7 @@
 //! its presence is checked before any driver call, because calling into a
 //! missing library panics.
 
-use crate::plan::Format;
+use crate::plan::{Format, Plan};
 
 /// One embedded GPU image: a cubin for `arch`, or PTX for the driver to JIT.
 #[derive(Debug)]
@@ -73,7 +73,9 @@ pub fn matrix_bytes<'a>(m: &crate::Matrix<'a>) -> (&'a [u8], &'a [u8]) {
 /// Whether this build turned tensor-core path `key` (a `TcPath::key`) on for
 /// the image `arch` (from the plan the build embedded).
 pub fn image_has_tc(arch: &str, key: &str) -> bool {
-    crate::report::build_plan()
+    // Parsed once: the engine asks for each prefill product of a variant.
+    static PLAN: std::sync::OnceLock<Plan> = std::sync::OnceLock::new();
+    PLAN.get_or_init(crate::report::build_plan)
         .cuda
         .as_ref()
         .and_then(|c| c.archs.iter().find(|a| a.arch.name() == arch))
