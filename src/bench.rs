@@ -582,7 +582,11 @@ pub(crate) fn matrix(format: Format, rows: usize, cols: usize, w: &Weights0) -> 
             scale: &w.s,
         },
     };
-    Matrix::new(rows, cols, ws).expect("benchmark matrix")
+    // Scanned for NaN codes as the engine's FP8 matrices are (once, on
+    // their first product), so the FP8 kernels run as they do there.
+    Matrix::new(rows, cols, ws)
+        .expect("benchmark matrix")
+        .with_fp8_scanned()
 }
 
 /// A model's matrices, one case per distinct (format, rows, cols), named by

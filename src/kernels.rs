@@ -517,6 +517,16 @@ pub struct Matrix<'a> {
     rows: usize,
     cols: usize,
     weights: Weights<'a>,
+    /// FP8 only: every code was scanned and none is NaN (magnitude 127), so
+    /// the kernels may skip their own check ([`Matrix::with_fp8_scanned`]).
+    fp8_clean: bool,
+}
+
+/// Whether FP8 codes hold no NaN (E4M3FN's only NaN: magnitude 0x7F). A
+/// plain loop the compiler vectorizes: one read of the codes.
+pub fn fp8_codes_clean(w: &[u8]) -> bool {
+    w.chunks(4096)
+        .all(|c| c.iter().fold(0u8, |a, &b| a.max(b & 0x7F)) != 0x7F)
 }
 
 fn check_len(what: &str, expected: usize, found: usize) -> Result<(), KernelError> {
@@ -558,7 +568,38 @@ impl<'a> Matrix<'a> {
             rows,
             cols,
             weights,
+            fp8_clean: false,
         })
+    }
+    /// This matrix after a scan of its FP8 codes: marked clean when none is
+    /// NaN, which lets the FP8 matvec's "s" tiles skip their check (about a
+    /// ninth of the call on a Zen 4; the "t" tiles, templates/matmul.c.tera).
+    /// The scan reads every code, so a caller that meets the same weights
+    /// often keeps its answer ([`Matrix::with_fp8_scan_result`]). Other
+    /// formats: unchanged.
+    pub fn with_fp8_scanned(self) -> Self {
+        let clean = match self.weights {
+            Weights::Fp8 { w, .. } => fp8_codes_clean(w),
+            _ => false,
+        };
+        Matrix {
+            fp8_clean: clean,
+            ..self
+        }
+    }
+    /// This matrix with the answer of an earlier scan of these same codes
+    /// ([`fp8_codes_clean`]; the engine keeps one per matrix it loaded). Only
+    /// that answer may be passed: a matrix marked clean that holds a NaN
+    /// code gets a finite wrong value where the reference has NaN.
+    pub fn with_fp8_scan_result(self, clean: bool) -> Self {
+        Matrix {
+            fp8_clean: clean && matches!(self.weights, Weights::Fp8 { .. }),
+            ..self
+        }
+    }
+    /// Whether the FP8 codes were scanned and hold no NaN.
+    pub fn fp8_clean(&self) -> bool {
+        self.fp8_clean
     }
     pub fn rows(&self) -> usize {
         self.rows
@@ -1711,8 +1752,13 @@ impl Kernels {
         check_len("matvec input x", m.cols, x.len())?;
         check_len("matvec output y", m.rows, y.len())?;
         // One call (one thread, or a matrix too small to share) prepares
-        // its own x at no extra cost, and small calls feel every step here.
-        if let Some(p) = k.prepared.filter(|_| shares_rows(m.rows, m.cols, 1)) {
+        // its own x at no extra cost, and small calls feel every step here;
+        // a scanned FP8 matrix goes the prepared way all the same, the only
+        // one that can tell the kernel its codes hold no NaN.
+        if let Some(p) = k
+            .prepared
+            .filter(|_| m.fp8_clean || shares_rows(m.rows, m.cols, 1))
+        {
             // SAFETY: a pure function of its argument.
             let len = unsafe { (p.len)(m.cols) };
             if len > 0 {
@@ -1752,6 +1798,10 @@ impl Kernels {
             // len = p.len(cols) floats prep writes (all the "_px" kernels
             // read of them).
             let flag = unsafe { (p.prep)(x.as_ptr(), m.cols, xp.as_mut_ptr()) };
+            // FP8 x the "s" tiles may take (1), for a matrix scanned and
+            // free of NaN codes: 2, the "s" tiles without their check
+            // (matvec_px_body, templates/matmul.c.tera).
+            let flag = if flag == 1 && m.fp8_clean { 2 } else { flag };
             let f = p.matvec;
             // SAFETY (of the call below): as in matvec_with, with x
             // prepared by this kernel's prep (its flag beside it); xp

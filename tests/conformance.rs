@@ -460,6 +460,95 @@ fn fp8_fast_and_exact_blocks() {
     eprintln!("fp8 normal/special blocks: {count} kernel checks passed");
 }
 
+/// An FP8 matrix scanned and found free of NaN codes (`with_fp8_scanned`,
+/// as the engine's are) lets the "s" tiles skip their NaN check: the same
+/// bits as the reference on every variant, matvec and matmul, with x in
+/// range of the "s" tiles and not. A scan that meets a NaN code leaves the
+/// matrix unmarked, and a call after a marked one on the same threads checks
+/// again (the flag is per call).
+#[test]
+fn fp8_scanned_matrices_keep_the_reference_bits() {
+    let _tally = FiniteTally::start();
+    let ks = runnable();
+    let mut rng = Rng(29);
+    let mut count = 0;
+    for (rows, cols) in [(64, 512), (130, 384), (3, 250), (17, 1024), (256, 4096)] {
+        let mut o = fp8_mostly_normal(&mut rng, rows, cols, 50);
+        let mut nan = o.b.clone();
+        for b in o.b.iter_mut() {
+            if *b & 0x7F == 0x7F {
+                *b ^= 1; // 0x7E: 448, the largest normal value
+            }
+        }
+        let m = o.matrix().with_fp8_scanned();
+        assert!(
+            m.fp8_clean(),
+            "{rows}x{cols}: no NaN code, yet not marked clean"
+        );
+        let small: Vec<f32> = (0..cols).map(|_| rng.unit() * 8.0).collect();
+        for x in [small, rng.activations(cols)] {
+            let want = reference::matvec(&m, &x);
+            for k in &ks {
+                for (kind, kern) in kernels_for(k, &o) {
+                    let mut y = vec![f32::NAN; rows];
+                    k.matvec_with(kern, &m, &x, &mut y).unwrap();
+                    if let Some((i, a, b)) = first_diff(&y, &want) {
+                        panic!("{} fp8 {kind} scanned matvec {rows}x{cols}: row {i}: {a:e} vs reference {b:e}", k.isa());
+                    }
+                    count += 1;
+                }
+            }
+        }
+        for n in [2, 8] {
+            let xs: Vec<f32> = (0..n * cols).map(|_| rng.unit() * 8.0).collect();
+            let want = reference::matmul(&m, &xs, n);
+            for k in &ks {
+                for (kind, kern) in kernels_for(k, &o) {
+                    let mut ys = vec![f32::NAN; n * rows];
+                    k.matmul_with(kern, &m, &xs, n, &mut ys).unwrap();
+                    assert!(
+                        first_diff(&ys, &want).is_none(),
+                        "{} fp8 {kind} scanned matmul {rows}x{cols} n={n}",
+                        k.isa()
+                    );
+                    count += 1;
+                }
+            }
+        }
+        // Put a NaN code back: the scan must see it, and the kernels, called
+        // right after the marked matrix, must check again and give NaN.
+        if !nan.iter().any(|b| b & 0x7F == 0x7F) {
+            nan[rows * cols / 2] = 0x7F;
+        }
+        o.b = nan;
+        let m = o.matrix().with_fp8_scanned();
+        assert!(
+            !m.fp8_clean(),
+            "{rows}x{cols}: a NaN code, yet marked clean"
+        );
+        let x: Vec<f32> = (0..cols).map(|_| rng.unit() * 8.0).collect();
+        let want = reference::matvec(&m, &x);
+        assert!(want.iter().any(|v| v.is_nan()));
+        for k in &ks {
+            for (kind, kern) in kernels_for(k, &o) {
+                let mut y = vec![0.0; rows];
+                k.matvec_with(kern, &m, &x, &mut y).unwrap();
+                assert!(
+                    first_diff(&y, &want).is_none(),
+                    "{} fp8 {kind} after a scanned matrix {rows}x{cols}",
+                    k.isa()
+                );
+                count += 1;
+            }
+        }
+    }
+    // Only FP8 is ever marked.
+    let o = Owned::random(&mut rng, Format::Bf16, 4, 64);
+    assert!(!o.matrix().with_fp8_scanned().fp8_clean());
+    assert!(!o.matrix().with_fp8_scan_result(true).fp8_clean());
+    eprintln!("fp8 scanned matrices: {count} kernel checks passed");
+}
+
 /// AVX2 and AVX-512 take FP8 rows against x scaled by 2^120 when every
 /// |x| < 256 (their "s" tiles: zero and subnormal codes become f32
 /// subnormals, a block with a NaN code is redone, for every row of the tile)

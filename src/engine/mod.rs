@@ -112,6 +112,10 @@ pub struct Mat<'m> {
     pub rows: usize,
     pub cols: usize,
     data: MatData<'m>,
+    /// FP8: whether the codes hold no NaN, scanned on first use (one read of
+    /// the weights) so that every later product may skip the kernels' check
+    /// (`Matrix::with_fp8_scan_result`).
+    fp8_clean: std::sync::OnceLock<bool>,
 }
 
 enum MatData<'m> {
@@ -165,8 +169,9 @@ impl<'m> Mat<'m> {
             rows,
             cols,
             data,
+            fp8_clean: std::sync::OnceLock::new(),
         };
-        mat.matrix()?; // check the lengths once, up front
+        mat.matrix_unscanned()?; // check the lengths once, up front
         Ok(mat)
     }
 
@@ -218,8 +223,9 @@ impl<'m> Mat<'m> {
             rows,
             cols,
             data,
+            fp8_clean: std::sync::OnceLock::new(),
         };
-        mat.matrix()?;
+        mat.matrix_unscanned()?;
         Ok(mat)
     }
 
@@ -277,12 +283,28 @@ impl<'m> Mat<'m> {
             rows,
             cols: c,
             data,
+            fp8_clean: std::sync::OnceLock::new(),
         };
-        mat.matrix()?;
+        mat.matrix_unscanned()?;
         Ok(Some(mat))
     }
 
+    /// The matrix for the kernels; an FP8 one carries the answer of a scan
+    /// of its codes for NaN, made on the first call ([`Mat::fp8_clean`]).
     pub fn matrix(&self) -> Result<Matrix<'_>, KernelError> {
+        let m = self.matrix_unscanned()?;
+        Ok(match self.data {
+            MatData::Fp8 { w, .. } => m.with_fp8_scan_result(
+                *self
+                    .fp8_clean
+                    .get_or_init(|| crate::kernels::fp8_codes_clean(w)),
+            ),
+            _ => m,
+        })
+    }
+
+    /// [`Mat::matrix`] without the FP8 scan (length checks, sizes).
+    fn matrix_unscanned(&self) -> Result<Matrix<'_>, KernelError> {
         let w = match &self.data {
             MatData::F32(v) => Weights::F32(v),
             MatData::Bf16(v) => Weights::Bf16(v),
@@ -318,7 +340,7 @@ impl<'m> Mat<'m> {
 
     /// Bytes of weights and scales one pass over the matrix reads.
     pub fn bytes(&self) -> u64 {
-        self.matrix().map_or(0, |m| m.bytes() as u64)
+        self.matrix_unscanned().map_or(0, |m| m.bytes() as u64)
     }
 
     /// Whether the weights are borrowed from the file mapping (not copied).
