@@ -290,7 +290,7 @@ impl<'m> Mat<'m> {
     }
 
     /// The matrix for the kernels; an FP8 one carries the answer of a scan
-    /// of its codes for NaN, made on the first call ([`Mat::fp8_clean`]).
+    /// of its codes for NaN, made on the first call and kept.
     pub fn matrix(&self) -> Result<Matrix<'_>, KernelError> {
         let m = self.matrix_unscanned()?;
         Ok(match self.data {
