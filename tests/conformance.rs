@@ -57,6 +57,9 @@ struct Owned {
     h: Vec<u16>,
     b: Vec<u8>,
     s: Vec<u8>,
+    /// `matrix()` scans the FP8 codes for NaN, as the engine does
+    /// (`Matrix::with_fp8_scanned`).
+    scanned: bool,
 }
 
 impl Owned {
@@ -70,6 +73,7 @@ impl Owned {
             h: vec![],
             b: vec![],
             s: vec![],
+            scanned: false,
         };
         match format {
             Format::F32 => o.f = (0..rows).flat_map(|_| rng.activations(cols)).collect(),
@@ -122,7 +126,12 @@ impl Owned {
                 scale: &self.s,
             },
         };
-        Matrix::new(self.rows, self.cols, w).expect("valid test matrix")
+        let m = Matrix::new(self.rows, self.cols, w).expect("valid test matrix");
+        if self.scanned {
+            m.with_fp8_scanned()
+        } else {
+            m
+        }
     }
 }
 
@@ -480,67 +489,30 @@ fn fp8_scanned_matrices_keep_the_reference_bits() {
                 *b ^= 1; // 0x7E: 448, the largest normal value
             }
         }
-        let m = o.matrix().with_fp8_scanned();
+        o.scanned = true;
         assert!(
-            m.fp8_clean(),
+            o.matrix().fp8_clean(),
             "{rows}x{cols}: no NaN code, yet not marked clean"
         );
         let small: Vec<f32> = (0..cols).map(|_| rng.unit() * 8.0).collect();
-        for x in [small, rng.activations(cols)] {
-            let want = reference::matvec(&m, &x);
-            for k in &ks {
-                for (kind, kern) in kernels_for(k, &o) {
-                    let mut y = vec![f32::NAN; rows];
-                    k.matvec_with(kern, &m, &x, &mut y).unwrap();
-                    if let Some((i, a, b)) = first_diff(&y, &want) {
-                        panic!("{} fp8 {kind} scanned matvec {rows}x{cols}: row {i}: {a:e} vs reference {b:e}", k.isa());
-                    }
-                    count += 1;
-                }
-            }
-        }
-        for n in [2, 8] {
-            let xs: Vec<f32> = (0..n * cols).map(|_| rng.unit() * 8.0).collect();
-            let want = reference::matmul(&m, &xs, n);
-            for k in &ks {
-                for (kind, kern) in kernels_for(k, &o) {
-                    let mut ys = vec![f32::NAN; n * rows];
-                    k.matmul_with(kern, &m, &xs, n, &mut ys).unwrap();
-                    assert!(
-                        first_diff(&ys, &want).is_none(),
-                        "{} fp8 {kind} scanned matmul {rows}x{cols} n={n}",
-                        k.isa()
-                    );
-                    count += 1;
-                }
-            }
-        }
+        count += check_owned_with(&ks, &mut rng, &o, &small, &[2, 8]);
+        let x = rng.activations(cols);
+        count += check_owned_with(&ks, &mut rng, &o, &x, &[]);
         // Put a NaN code back: the scan must see it, and the kernels, called
         // right after the marked matrix, must check again and give NaN.
         if !nan.iter().any(|b| b & 0x7F == 0x7F) {
             nan[rows * cols / 2] = 0x7F;
         }
         o.b = nan;
-        let m = o.matrix().with_fp8_scanned();
         assert!(
-            !m.fp8_clean(),
+            !o.matrix().fp8_clean(),
             "{rows}x{cols}: a NaN code, yet marked clean"
         );
         let x: Vec<f32> = (0..cols).map(|_| rng.unit() * 8.0).collect();
-        let want = reference::matvec(&m, &x);
-        assert!(want.iter().any(|v| v.is_nan()));
-        for k in &ks {
-            for (kind, kern) in kernels_for(k, &o) {
-                let mut y = vec![0.0; rows];
-                k.matvec_with(kern, &m, &x, &mut y).unwrap();
-                assert!(
-                    first_diff(&y, &want).is_none(),
-                    "{} fp8 {kind} after a scanned matrix {rows}x{cols}",
-                    k.isa()
-                );
-                count += 1;
-            }
-        }
+        assert!(reference::matvec(&o.matrix(), &x)
+            .iter()
+            .any(|v| v.is_nan()));
+        count += check_owned_with(&ks, &mut rng, &o, &x, &[]);
     }
     // Only FP8 is ever marked.
     let o = Owned::random(&mut rng, Format::Bf16, 4, 64);
@@ -1770,6 +1742,7 @@ fn bf16dot_matches_its_reference() {
         h: w,
         b: vec![],
         s: vec![],
+        scanned: false,
     };
     let y = check_bf16dot(&o, &x, 2);
     assert_eq!((y[0], y[3]), (f32::MIN_POSITIVE, 1.0));
@@ -2010,6 +1983,7 @@ fn check_amx_big(rng: &mut Rng, f: Format, big: &[(usize, usize)], n: usize) {
             f: vec![],
             cols,
             format: f,
+            scanned: false,
         };
         let m = tiled.matrix();
         let x = rng.activations(n * cols);
@@ -2090,6 +2064,7 @@ fn amx_matches_its_reference() {
         h: w,
         b: vec![],
         s: vec![],
+        scanned: false,
     };
     let y = check_amx(&o, &x, 2);
     assert_eq!(y[0].to_bits(), 0x8000_0000, "row 0 flushes to -0");

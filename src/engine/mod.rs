@@ -164,15 +164,7 @@ impl<'m> Mat<'m> {
                 )))
             }
         };
-        let mat = Mat {
-            name: name.to_string(),
-            rows,
-            cols,
-            data,
-            fp8_clean: std::sync::OnceLock::new(),
-        };
-        mat.matrix_unscanned()?; // check the lengths once, up front
-        Ok(mat)
+        Ok(Mat::checked(name.to_string(), rows, cols, data)?)
     }
 
     /// A block of `rows` rows starting at `row0` of a 3-D tensor [E, R, C]
@@ -218,15 +210,12 @@ impl<'m> Mat<'m> {
                 )))
             }
         };
-        let mat = Mat {
-            name: format!("{name}[{e}][{row0}..{}]", row0 + rows),
+        Ok(Mat::checked(
+            format!("{name}[{e}][{row0}..{}]", row0 + rows),
             rows,
             cols,
             data,
-            fp8_clean: std::sync::OnceLock::new(),
-        };
-        mat.matrix_unscanned()?;
-        Ok(mat)
+        )?)
     }
 
     /// Rows `row0..row0+rows` of the matrix `name` as a matrix of their own,
@@ -278,15 +267,31 @@ impl<'m> Mat<'m> {
                 }
             }
         };
-        let mat = Mat {
-            name: format!("{name}[{row0}..{}]", row0 + rows),
+        Ok(Some(Mat::checked(
+            format!("{name}[{row0}..{}]", row0 + rows),
             rows,
-            cols: c,
+            c,
+            data,
+        )?))
+    }
+
+    /// A matrix over `data`, its lengths checked once, up front (its FP8
+    /// codes are scanned later, on the first [`Mat::matrix`]).
+    fn checked(
+        name: String,
+        rows: usize,
+        cols: usize,
+        data: MatData<'m>,
+    ) -> Result<Mat<'m>, KernelError> {
+        let mat = Mat {
+            name,
+            rows,
+            cols,
             data,
             fp8_clean: std::sync::OnceLock::new(),
         };
         mat.matrix_unscanned()?;
-        Ok(Some(mat))
+        Ok(mat)
     }
 
     /// The matrix for the kernels; an FP8 one carries the answer of a scan
