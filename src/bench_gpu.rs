@@ -38,6 +38,13 @@ pub fn bench_gpu(set: &ShapeSet, formats: &[Format], quick: bool) -> Result<GpuR
     #[cfg(feature = "cuda")]
     {
         let g = crate::gpu::gpu().map_err(|why| format!("bench gpu: {why}"))?;
+        if g.emulated() {
+            return Err(
+                "bench gpu: BESPOKE_CUDA=emu is the CPU emulator of the CUDA kernels: \
+                 its timings say nothing about a GPU"
+                    .into(),
+            );
+        }
         let plan = crate::report::build_plan();
         let tc_on = |key: &str| crate::gpu::image_has_tc(g.image.arch, key);
         let peak = g.peak_bandwidth();

@@ -365,6 +365,7 @@ pub fn build() -> BuildResult<()> {
             the_plan.notes.push(w);
         }
         the_plan.cuda = Some(cuda_plan);
+        compile_emulator(&root, &out, &the_plan.mat_shapes, &the_plan.attn_shapes)?;
         table
     } else {
         String::from("pub static IMAGES: &[Image] = &[];\n")
@@ -909,6 +910,51 @@ fn compile(
     }
     // fmaf / rintf for the scalar variant.
     println!("cargo:rustc-link-lib=m");
+    Ok(())
+}
+
+/// The CPU emulator of the CUDA-core kernels (`BESPOKE_CUDA=emu`, every
+/// `cuda` build, nvcc or not): templates/cuda.cu.tera rendered with the
+/// tensor-core paths off, compiled as C++ against kernels/bs_cuda_emu.h, with
+/// the emulator's runtime, into the static library `bespoke_cuda_emu`.
+fn compile_emulator(
+    root: &Path,
+    out: &Path,
+    shapes: &[plan::MatShape],
+    attn: &[plan::AttnShape],
+) -> BuildResult<()> {
+    let template_path = root.join("templates/cuda.cu.tera");
+    let template = fs::read_to_string(&template_path)
+        .map_err(|e| format!("{}: {e}", template_path.display()))?;
+    let src = crate::cuda_build::emulator_render(&template, shapes, attn)?;
+    let dir = out.join("cuda");
+    fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let cu = dir.join("emu.cu");
+    write_if_changed(&cu, &src)?;
+    let selftest = root.join("kernels/bs_cuda_emu_selftest.cuh");
+    let selftest =
+        fs::read_to_string(&selftest).map_err(|e| format!("{}: {e}", selftest.display()))?;
+    let names = crate::cuda_build::kernel_names(&format!("{src}\n{selftest}"));
+    let unit = dir.join("emu.cpp");
+    write_if_changed(&unit, &crate::cuda_build::emulator_unit(&cu, &names))?;
+    let mut b = cc::Build::new();
+    b.cpp(true)
+        .include(root.join("kernels"))
+        .opt_level(2)
+        .debug(false)
+        .warnings(true)
+        .extra_warnings(true)
+        .warnings_into_errors(env_opt("BESPOKE_WERROR").is_some())
+        .flag("-std=c++17")
+        // The CUDA source reads float memory through float4 / uint4 as nvcc
+        // allows; and no contraction behind the explicit fmaf calls.
+        .flag("-fno-strict-aliasing")
+        .flag("-ffp-contract=off")
+        .flag("-fno-fast-math")
+        .file(root.join("kernels/bs_cuda_emu.cpp"))
+        .file(&unit);
+    b.try_compile("bespoke_cuda_emu")
+        .map_err(|e| format!("compiling the CUDA emulator: {e}"))?;
     Ok(())
 }
 

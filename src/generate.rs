@@ -69,6 +69,18 @@ pub enum AnyModel<'m> {
     Dsv4(crate::engine::dsv4::Dsv4Model<'m>),
 }
 
+/// An engine's VRAM tier lives as long as the engine: its device copies
+/// go with it, and engines in one process (tests run in parallel, a host
+/// serving two models) keep tiers of their own.
+impl Drop for AnyModel<'_> {
+    fn drop(&mut self) {
+        let t = self.kernels().tier();
+        if t != 0 {
+            crate::gpu::release_tier(t);
+        }
+    }
+}
+
 pub enum AnyCache {
     Llama(crate::engine::llama::KvCache),
     Dsv4(crate::engine::dsv4::Dsv4Cache),
@@ -96,8 +108,13 @@ impl<'m> AnyModel<'m> {
         }
     }
 
-    /// Send products on matrices resident in VRAM tier `id` to the GPU.
+    /// Send products on matrices resident in VRAM tier `id` to the GPU (the
+    /// tier set before, if any, is released: see the `Drop` below).
     pub fn set_tier(&mut self, id: u32) {
+        let old = self.kernels().tier();
+        if old != 0 && old != id {
+            crate::gpu::release_tier(old);
+        }
         match self {
             AnyModel::Llama(m) => m.kernels = m.kernels.with_tier(id),
             AnyModel::Dsv4(m) => m.kernels = m.kernels.with_tier(id),

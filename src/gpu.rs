@@ -124,43 +124,183 @@ pub fn tc_kernel(
     }
 }
 
-/// `BESPOKE_CUDA=off` keeps a `cuda` build on the CPU.
+/// What `BESPOKE_CUDA` asks for: `off` (or `0`) keeps a `cuda` build on the
+/// CPU, `emu` runs the CUDA-core kernels on the CPU emulator, anything else
+/// (or unset) the GPU when there is one.
 #[cfg(feature = "cuda")]
-fn disabled() -> bool {
-    std::env::var("BESPOKE_CUDA")
-        .map(|v| v.eq_ignore_ascii_case("off") || v == "0")
-        .unwrap_or(false)
+fn mode() -> Option<&'static str> {
+    match std::env::var("BESPOKE_CUDA") {
+        Ok(v) if v.eq_ignore_ascii_case("off") || v == "0" => Some("off"),
+        Ok(v) if v.eq_ignore_ascii_case("emu") => Some("emu"),
+        _ => None,
+    }
 }
 
 #[cfg(feature = "cuda")]
 mod imp {
     use super::*;
     use cudarc::driver::{
-        CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+        CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
+        PushKernelArg, ValidAsZeroBits,
     };
     use std::sync::{Arc, OnceLock};
 
-    /// A GPU with this build's kernels loaded.
+    /// The emulator's stand-in for an image: no code, no tensor-core paths
+    /// (`image_has_tc` finds no arch of this name in the build plan).
+    static EMU_IMAGE: Image = Image {
+        arch: "emu",
+        ptx: false,
+        bytes: &[],
+    };
+
+    /// What the emulated device says it holds (placement's default budget is
+    /// this less 1 GiB).
+    const EMU_MEM: usize = 4 << 30;
+
+    mod emu_ffi {
+        use std::ffi::{c_char, c_int, c_uint, c_void};
+        extern "C" {
+            /// kernels/bs_cuda_emu.cpp.
+            pub fn bs_emu_launch(
+                name: *const c_char,
+                grid: *const c_uint,
+                block: *const c_uint,
+                args: *mut *mut c_void,
+                err: *mut c_char,
+                errlen: usize,
+            ) -> c_int;
+        }
+    }
+
+    /// Where the kernels run.
+    enum Dev {
+        Cuda {
+            ctx: Arc<CudaContext>,
+            stream: Arc<CudaStream>,
+            module: Arc<CudaModule>,
+        },
+        /// The CPU emulator of the CUDA-core kernels (kernels/bs_cuda_emu.*):
+        /// "device" memory is host memory.
+        Emu,
+    }
+
+    /// A GPU with this build's kernels loaded (or the emulator, `BESPOKE_CUDA=emu`).
     pub struct Gpu {
-        ctx: Arc<CudaContext>,
-        stream: Arc<CudaStream>,
-        module: Arc<CudaModule>,
+        dev: Dev,
         pub name: String,
         pub cc: (u32, u32),
         pub image: &'static Image,
         pub total_mem: usize,
     }
 
+    /// Device memory: the driver's, or the emulator's host memory.
+    pub struct DevBuf<T: DeviceRepr>(Buf<T>);
+    enum Buf<T: DeviceRepr> {
+        Cuda(CudaSlice<T>),
+        Host(Vec<T>),
+    }
+
+    /// One kernel argument, as the driver takes them.
+    enum Arg<'a> {
+        U8(&'a DevBuf<u8>),
+        F32(&'a DevBuf<f32>),
+        U8Out(&'a mut DevBuf<u8>),
+        F32Out(&'a mut DevBuf<f32>),
+        I32(i32),
+        F32Val(f32),
+        /// A null pointer.
+        Null,
+    }
+
     /// The GPU, once per process; Err is the one-line reason the engine runs
-    /// on the CPU.
+    /// on the CPU. `BESPOKE_CUDA=emu`: the emulator.
     pub fn gpu() -> Result<&'static Gpu, &'static str> {
         static GPU: OnceLock<Result<Gpu, String>> = OnceLock::new();
         GPU.get_or_init(probe).as_ref().map_err(|e| e.as_str())
     }
 
+    /// The CPU emulator of the CUDA-core kernels, whatever `BESPOKE_CUDA`
+    /// says (the tests run the GPU checks on it where there is no GPU).
+    pub fn emulator() -> &'static Gpu {
+        static EMU: OnceLock<Gpu> = OnceLock::new();
+        EMU.get_or_init(emu_gpu)
+    }
+
+    /// Check the emulator itself with its self-test kernels
+    /// (kernels/bs_cuda_emu_selftest.cuh): shared memory across a
+    /// `__syncthreads`, the xor and down shuffles, block indices over 3 blocks,
+    /// and a failed launch (not a hang) for a wait that can never complete.
+    /// Ok: what was checked.
+    pub fn emulator_selftest() -> Result<String, String> {
+        let g = emulator();
+        let cfg = |blocks: u32| LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let n = 128usize;
+        let mut out = g.zeros::<f32>(3 * 4 * n)?;
+        g.run(
+            "bs_emu_selftest_exchange",
+            cfg(3),
+            &mut [Arg::F32Out(&mut out)],
+        )?;
+        let out = g.dtoh(&out)?;
+        for b in 0..3 {
+            for t in 0..n {
+                let lane = t % 32;
+                let want = [
+                    (n - 1 - t) as f32,
+                    (lane ^ 5) as f32,
+                    (if lane + 3 < 32 { lane + 3 } else { lane }) as f32,
+                    b as f32,
+                ];
+                for (i, w) in want.iter().enumerate() {
+                    let got = out[(b * 4 + i) * n + t];
+                    if got != *w {
+                        return Err(format!(
+                            "bs_emu_selftest_exchange: block {b} thread {t} check {i}: {got}, expected {w}"
+                        ));
+                    }
+                }
+            }
+        }
+        for (k, want) in [
+            ("bs_emu_selftest_deadlock", "deadlock"),
+            ("bs_emu_selftest_early_exit", "returned"),
+        ] {
+            let mut out = g.zeros::<f32>(n)?;
+            match g.run(k, cfg(1), &mut [Arg::F32Out(&mut out)]) {
+                Err(e) if e.contains(want) => {}
+                other => {
+                    return Err(format!(
+                        "{k}: expected a failed launch ({want}), got {other:?}"
+                    ))
+                }
+            }
+        }
+        Ok(
+            "the emulator's barriers, shuffles and block indices are CUDA's; \
+            a deadlock and a shuffle over returned lanes fail the launch"
+                .into(),
+        )
+    }
+
+    fn emu_gpu() -> Gpu {
+        Gpu {
+            dev: Dev::Emu,
+            name: "the CPU emulator of the CUDA-core kernels".into(),
+            cc: (8, 0),
+            image: &EMU_IMAGE,
+            total_mem: EMU_MEM,
+        }
+    }
+
     fn probe() -> Result<Gpu, String> {
-        if disabled() {
-            return Err("BESPOKE_CUDA=off".into());
+        match mode() {
+            Some("off") => return Err("BESPOKE_CUDA=off".into()),
+            Some("emu") => return Ok(emu_gpu()),
+            _ => {}
         }
         if IMAGES.is_empty() {
             return Err("this build has no GPU kernels (see `bespoke plan` for why)".into());
@@ -191,9 +331,11 @@ mod imp {
         let total_mem = ctx.total_mem().unwrap_or(0);
         let stream = ctx.default_stream();
         Ok(Gpu {
-            ctx,
-            stream,
-            module,
+            dev: Dev::Cuda {
+                ctx,
+                stream,
+                module,
+            },
             name,
             cc: (major, minor),
             image,
@@ -207,8 +349,8 @@ mod imp {
 
     /// Weights, scales and activations on the device for one product.
     pub struct DevMat {
-        pub w: CudaSlice<u8>,
-        pub scale: CudaSlice<u8>,
+        pub w: DevBuf<u8>,
+        pub scale: DevBuf<u8>,
         pub format: Format,
         pub rows: usize,
         pub cols: usize,
@@ -217,10 +359,132 @@ mod imp {
     }
 
     impl Gpu {
-        pub fn function(&self, name: &str) -> Result<CudaFunction, String> {
-            self.module
-                .load_function(name)
-                .map_err(|e| format!("kernel {name} in the {} image: {e}", self.image.arch))
+        /// Whether this is the CPU emulator (`BESPOKE_CUDA=emu`), not a GPU.
+        pub fn emulated(&self) -> bool {
+            matches!(self.dev, Dev::Emu)
+        }
+
+        fn function(&self, name: &str) -> Result<CudaFunction, String> {
+            match &self.dev {
+                Dev::Cuda { module, .. } => module
+                    .load_function(name)
+                    .map_err(|e| format!("kernel {name} in the {} image: {e}", self.image.arch)),
+                Dev::Emu => Err("the emulator has no driver functions".into()),
+            }
+        }
+
+        fn htod<T: DeviceRepr + Clone>(&self, s: &[T], what: &str) -> Result<DevBuf<T>, String> {
+            Ok(DevBuf(match &self.dev {
+                Dev::Cuda { stream, .. } => Buf::Cuda(stream.clone_htod(s).map_err(derr(what))?),
+                Dev::Emu => Buf::Host(s.to_vec()),
+            }))
+        }
+
+        fn zeros<T: DeviceRepr + ValidAsZeroBits + Default + Clone>(
+            &self,
+            n: usize,
+        ) -> Result<DevBuf<T>, String> {
+            Ok(DevBuf(match &self.dev {
+                Dev::Cuda { stream, .. } => {
+                    Buf::Cuda(stream.alloc_zeros::<T>(n).map_err(derr("allocating"))?)
+                }
+                Dev::Emu => Buf::Host(vec![T::default(); n]),
+            }))
+        }
+
+        fn dtoh<T: DeviceRepr + Clone + Default>(&self, b: &DevBuf<T>) -> Result<Vec<T>, String> {
+            match (&self.dev, &b.0) {
+                (Dev::Cuda { stream, .. }, Buf::Cuda(s)) => stream
+                    .clone_dtoh(s)
+                    .map_err(derr("copying the result back")),
+                (Dev::Emu, Buf::Host(v)) => Ok(v.clone()),
+                _ => Err("a buffer of another device".into()),
+            }
+        }
+
+        /// Launch `kernel` with `args` (its parameters in order).
+        fn run(&self, kernel: &str, cfg: LaunchConfig, args: &mut [Arg]) -> Result<(), String> {
+            let foreign = || format!("{kernel}: a buffer of another device");
+            match &self.dev {
+                Dev::Cuda { stream, .. } => {
+                    let f = self.function(kernel)?;
+                    let null = 0u64;
+                    let mut b = stream.launch_builder(&f);
+                    for a in args.iter_mut() {
+                        match a {
+                            Arg::U8(DevBuf(Buf::Cuda(s))) => b.arg(s),
+                            Arg::F32(DevBuf(Buf::Cuda(s))) => b.arg(s),
+                            Arg::U8Out(DevBuf(Buf::Cuda(s))) => b.arg(s),
+                            Arg::F32Out(DevBuf(Buf::Cuda(s))) => b.arg(s),
+                            Arg::I32(v) => b.arg(&*v),
+                            Arg::F32Val(v) => b.arg(&*v),
+                            Arg::Null => b.arg(&null),
+                            _ => return Err(foreign()),
+                        };
+                    }
+                    // SAFETY: every caller passes the kernel's parameters in
+                    // order (templates/cuda.cu.tera) after checking that the
+                    // buffers hold what the kernel reads and writes for this
+                    // geometry (see each caller).
+                    unsafe { b.launch(cfg) }
+                        .map(|_| ())
+                        .map_err(derr(&format!("launching {kernel}")))
+                }
+                Dev::Emu => {
+                    // Each argument's value in a slot of its own (pointers,
+                    // and 32-bit scalars in the slot's low bytes: x86-64 and
+                    // aarch64 are little-endian), and a pointer to each slot:
+                    // the driver's convention, which bs_emu_launch takes.
+                    let mut slots: Vec<u64> = Vec::with_capacity(args.len());
+                    for a in args.iter_mut() {
+                        slots.push(match a {
+                            Arg::U8(DevBuf(Buf::Host(v))) => v.as_ptr() as u64,
+                            Arg::F32(DevBuf(Buf::Host(v))) => v.as_ptr() as u64,
+                            Arg::U8Out(DevBuf(Buf::Host(v))) => v.as_mut_ptr() as u64,
+                            Arg::F32Out(DevBuf(Buf::Host(v))) => v.as_mut_ptr() as u64,
+                            Arg::I32(v) => *v as u32 as u64,
+                            Arg::F32Val(v) => v.to_bits() as u64,
+                            Arg::Null => 0,
+                            _ => return Err(foreign()),
+                        });
+                    }
+                    let mut ptrs: Vec<*mut std::ffi::c_void> = slots
+                        .iter_mut()
+                        .map(|s| s as *mut u64 as *mut std::ffi::c_void)
+                        .collect();
+                    let name = std::ffi::CString::new(kernel).map_err(|e| e.to_string())?;
+                    let grid = [cfg.grid_dim.0, cfg.grid_dim.1, cfg.grid_dim.2];
+                    let block = [cfg.block_dim.0, cfg.block_dim.1, cfg.block_dim.2];
+                    let mut err = [0u8; 256];
+                    // SAFETY: the FFI edge to kernels/bs_cuda_emu.cpp. name is
+                    // NUL-terminated, grid and block hold 3 values, ptrs points
+                    // at one live slot per kernel parameter (pointers into
+                    // Vecs that `args` borrows for this call: the kernel's
+                    // writes land in the mutably borrowed ones), err is
+                    // `err.len()` bytes. The kernel runs on these host buffers,
+                    // so its reads and writes stay inside them by the same
+                    // checks that make the GPU launch sound (each caller's).
+                    let rc = unsafe {
+                        emu_ffi::bs_emu_launch(
+                            name.as_ptr(),
+                            grid.as_ptr(),
+                            block.as_ptr(),
+                            ptrs.as_mut_ptr(),
+                            err.as_mut_ptr().cast(),
+                            err.len(),
+                        )
+                    };
+                    if rc == 0 {
+                        Ok(())
+                    } else {
+                        let end = err.iter().position(|&c| c == 0).unwrap_or(err.len());
+                        Err(format!(
+                            "emulator: {}",
+                            String::from_utf8_lossy(&err[..end])
+                        ))
+                    }
+                }
+            }
         }
 
         /// Upload one matrix (bytes as the CPU kernels take them), checked
@@ -253,16 +517,10 @@ mod imp {
                 ));
             }
             let bytes = w.len() + scale.len();
-            let w = self
-                .stream
-                .clone_htod(w)
-                .map_err(derr("copying weights to the GPU"))?;
+            let w = self.htod(w, "copying weights to the GPU")?;
             // A zero-length allocation is not allowed: give unscaled formats one byte.
             let scale = if scale.is_empty() { &[0u8][..] } else { scale };
-            let scale = self
-                .stream
-                .clone_htod(scale)
-                .map_err(derr("copying scales to the GPU"))?;
+            let scale = self.htod(scale, "copying scales to the GPU")?;
             Ok(DevMat {
                 w,
                 scale,
@@ -290,18 +548,10 @@ mod imp {
             n: usize,
         ) -> Result<Vec<f32>, String> {
             self.check_product(kernel, m, x.len(), n)?;
-            let xd = self
-                .stream
-                .clone_htod(x)
-                .map_err(derr("copying activations"))?;
-            let mut y = self
-                .stream
-                .alloc_zeros::<f32>(m.rows * n)
-                .map_err(derr("allocating the output"))?;
+            let xd = self.htod(x, "copying activations")?;
+            let mut y = self.zeros::<f32>(m.rows * n)?;
             self.launch(kernel, m, &xd, &mut y, n)?;
-            self.stream
-                .clone_dtoh(&y)
-                .map_err(derr("copying the result back"))
+            self.dtoh(&y)
         }
 
         /// Seconds per call of `kernel` on `m` with n columns of X (inputs
@@ -317,14 +567,8 @@ mod imp {
             let x: Vec<f32> = (0..n * m.cols)
                 .map(|i| ((i % 17) as f32 - 8.0) * 0.125)
                 .collect();
-            let xd = self
-                .stream
-                .clone_htod(&x)
-                .map_err(derr("copying activations"))?;
-            let mut y = self
-                .stream
-                .alloc_zeros::<f32>(m.rows * n)
-                .map_err(derr("allocating the output"))?;
+            let xd = self.htod(&x, "copying activations")?;
+            let mut y = self.zeros::<f32>(m.rows * n)?;
             self.launch(kernel, m, &xd, &mut y, n)?; // warm-up
             self.synchronize()?;
             let t = std::time::Instant::now();
@@ -335,20 +579,21 @@ mod imp {
             Ok(t.elapsed().as_secs_f64() / iters.max(1) as f64)
         }
 
-        /// Peak memory bandwidth from the device's memory clock and bus width, bytes/s.
+        /// Peak memory bandwidth from the device's memory clock and bus width,
+        /// bytes/s (None for the emulator).
         pub fn peak_bandwidth(&self) -> Option<f64> {
             use cudarc::driver::sys::CUdevice_attribute as A;
-            let clock_khz = self
-                .ctx
+            let Dev::Cuda { ctx, .. } = &self.dev else {
+                return None;
+            };
+            let clock_khz = ctx
                 .attribute(A::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)
                 .ok()? as f64;
-            let bus_bits = self
-                .ctx
+            let bus_bits = ctx
                 .attribute(A::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)
                 .ok()? as f64;
             (clock_khz > 0.0 && bus_bits > 0.0).then(|| 2.0 * clock_khz * 1e3 * bus_bits / 8.0)
         }
-
         /// The checks that make a launch sound: X's length, n, the shapes the
         /// tensor-core kernels need, the kernel's specialised shape.
         fn check_product(
@@ -403,11 +648,10 @@ mod imp {
             &self,
             kernel: &str,
             m: &DevMat,
-            xd: &CudaSlice<f32>,
-            y: &mut CudaSlice<f32>,
+            xd: &DevBuf<f32>,
+            y: &mut DevBuf<f32>,
             n: usize,
         ) -> Result<(), String> {
-            let f = self.function(kernel)?;
             let (rows, cols, nn) = (m.rows as i32, m.cols as i32, n as i32);
             let tc = kernel.starts_with("bs_tc_");
             let quantized = matches!(
@@ -439,34 +683,30 @@ mod imp {
                     shared_mem_bytes: 0,
                 }
             };
-            let mut b = self.stream.launch_builder(&f);
-            b.arg(&m.w).arg(&m.scale);
+            // The kernel's parameters in order (templates/cuda.cu.tera); m was
+            // uploaded from a checked Matrix (its weights and scales hold rows
+            // × cols in its format), check_product checked X (n × cols) and
+            // the kernel's format, shape and tile needs, and y holds n × rows.
+            let mut args = vec![Arg::U8(&m.w), Arg::U8(&m.scale)];
             match &q {
-                Some((codes, scales)) => b.arg(codes).arg(scales),
-                None => b.arg(xd),
+                Some((codes, scales)) => args.extend([Arg::U8(codes), Arg::U8(scales)]),
+                None => args.push(Arg::F32(xd)),
             };
-            b.arg(y).arg(&rows).arg(&cols);
+            args.extend([Arg::F32Out(y), Arg::I32(rows), Arg::I32(cols)]);
             if kernel.contains("matmul") || tc {
-                b.arg(&nn);
+                args.push(Arg::I32(nn));
             }
-            // SAFETY: the kernel's parameters are exactly the ones pushed above
-            // (templates/cuda.cu.tera); m was uploaded from a checked Matrix
-            // (its weights and scales hold rows × cols in its format),
-            // check_product checked X (n × cols) and the kernel's format,
-            // shape and tile needs, and y holds n × rows.
-            unsafe { b.launch(cfg) }
-                .map(|_| ())
-                .map_err(derr("launching the kernel"))
+            self.run(kernel, cfg, &mut args)
         }
 
         /// Activations for the quantized tensor-core paths: (codes, scales).
         fn quantize(
             &self,
             kernel: &str,
-            x: &CudaSlice<f32>,
+            x: &DevBuf<f32>,
             cols: usize,
             n: usize,
-        ) -> Result<(CudaSlice<u8>, CudaSlice<u8>), String> {
+        ) -> Result<(DevBuf<u8>, DevBuf<u8>), String> {
             let (qname, qbytes, sbytes, blocks) = match kernel {
                 "bs_tc_q8_fp4" => (
                     "bs_cu_quant_q8",
@@ -487,26 +727,23 @@ mod imp {
                     (cols / 32) * n,
                 ),
             };
-            let f = self.function(qname)?;
-            let mut q = self
-                .stream
-                .alloc_zeros::<u8>(qbytes.max(1))
-                .map_err(derr("allocating"))?;
-            let mut s = self
-                .stream
-                .alloc_zeros::<u8>(sbytes.max(1))
-                .map_err(derr("allocating"))?;
-            let (c, nn) = (cols as i32, n as i32);
+            let mut q = self.zeros::<u8>(qbytes.max(1))?;
+            let mut s = self.zeros::<u8>(sbytes.max(1))?;
             let cfg = LaunchConfig {
                 grid_dim: (blocks.div_ceil(4).max(1) as u32, 1, 1),
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut b = self.stream.launch_builder(&f);
-            b.arg(x).arg(&mut q).arg(&mut s).arg(&c).arg(&nn);
-            // SAFETY: (x, codes, scales, cols, n) as the quantize kernels take
-            // them; the buffers are sized for cols x n above.
-            unsafe { b.launch(cfg) }.map_err(derr("launching the quantize kernel"))?;
+            // (x, codes, scales, cols, n) as the quantize kernels take them;
+            // the buffers are sized for cols × n above.
+            let mut args = [
+                Arg::F32(x),
+                Arg::U8Out(&mut q),
+                Arg::U8Out(&mut s),
+                Arg::I32(cols as i32),
+                Arg::I32(n as i32),
+            ];
+            self.run(qname, cfg, &mut args)?;
             Ok((q, s))
         }
 
@@ -561,73 +798,61 @@ mod imp {
                     sinks.map(<[f32]>::len)
                 ));
             }
-            let f = self.function(kernel)?;
-            let up = |s: &[f32]| {
-                self.stream
-                    .clone_htod(s)
-                    .map_err(derr("copying to the GPU"))
-            };
+            let up = |s: &[f32]| self.htod(s, "copying to the GPU");
             let (qd, kd, vd) = (up(q)?, up(k)?, up(v)?);
             let sd = up(sinks.unwrap_or(&[0.0]))?;
-            let mut out = self
-                .stream
-                .alloc_zeros::<f32>(n_heads * head_dim)
-                .map_err(derr("allocating"))?;
-            let mut scratch = self
-                .stream
-                .alloc_zeros::<f32>((n_heads * t_len).max(1))
-                .map_err(derr("allocating"))?;
-            let null = 0u64;
-            let ints = [
-                n_heads as i32,
-                n_kv_heads as i32,
-                head_dim as i32,
-                kv_stride as i32,
-                t_len as i32,
-                window as i32,
-            ];
-            let mut b = self.stream.launch_builder(&f);
-            b.arg(&qd).arg(&kd).arg(&vd);
-            if sinks.is_some() {
-                b.arg(&sd);
-            } else {
-                b.arg(&null);
-            }
-            b.arg(&mut out).arg(&mut scratch);
-            for i in &ints {
-                b.arg(i);
-            }
-            b.arg(&scale);
+            let mut out = self.zeros::<f32>(n_heads * head_dim)?;
+            let mut scratch = self.zeros::<f32>((n_heads * t_len).max(1))?;
             let cfg = LaunchConfig {
                 grid_dim: (n_heads as u32, 1, 1),
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: the arguments match bs_cu_attn_decode*; q, k, v hold what
-            // the shapes say (checked above), sinks is n_heads long or
-            // a null pointer, out and scratch are sized above.
-            unsafe { b.launch(cfg) }.map_err(derr("launching attention"))?;
-            self.stream
-                .clone_dtoh(&out)
-                .map_err(derr("copying the result back"))
+            // The arguments of bs_cu_attn_decode*; q, k, v hold what the
+            // shapes say (checked above), sinks is n_heads long or a null
+            // pointer, out and scratch are sized above.
+            let mut args = vec![
+                Arg::F32(&qd),
+                Arg::F32(&kd),
+                Arg::F32(&vd),
+                if sinks.is_some() {
+                    Arg::F32(&sd)
+                } else {
+                    Arg::Null
+                },
+                Arg::F32Out(&mut out),
+                Arg::F32Out(&mut scratch),
+            ];
+            for i in [n_heads, n_kv_heads, head_dim, kv_stride, t_len, window] {
+                args.push(Arg::I32(i as i32));
+            }
+            args.push(Arg::F32Val(scale));
+            self.run(kernel, cfg, &mut args)?;
+            self.dtoh(&out)
         }
 
         /// Free device memory now.
         pub fn free_mem(&self) -> Result<usize, String> {
-            self.ctx
-                .mem_get_info()
-                .map(|(free, _)| free)
-                .map_err(derr("asking for free memory"))
+            match &self.dev {
+                Dev::Cuda { ctx, .. } => ctx
+                    .mem_get_info()
+                    .map(|(free, _)| free)
+                    .map_err(derr("asking for free memory")),
+                Dev::Emu => Ok(self.total_mem),
+            }
         }
 
         pub fn synchronize(&self) -> Result<(), String> {
-            self.ctx.synchronize().map_err(derr("synchronizing"))
+            match &self.dev {
+                Dev::Cuda { ctx, .. } => ctx.synchronize().map_err(derr("synchronizing")),
+                Dev::Emu => Ok(()),
+            }
         }
     }
 }
 
 #[cfg(feature = "cuda")]
-pub use imp::{gpu, DevMat, Gpu};
+pub use imp::{emulator, emulator_selftest, gpu, DevBuf, DevMat, Gpu};
 
 /// The VRAM tier: matrices made resident on the GPU, found again by the
 /// address and length of their weight bytes (the model's memory map, which
@@ -662,16 +887,21 @@ pub mod tier {
         (tier, w.as_ptr() as usize, w.len())
     }
 
-    /// A new, empty tier; every earlier one is released (one model's weights
-    /// on the GPU at a time: kernels still naming an old tier find nothing
-    /// there and run on the CPU, so a freed and reused mapping can never
-    /// meet stale device copies).
+    /// A new, empty tier. Tiers are never reused, and an engine releases
+    /// its own when it is dropped ([`release`]), before the mapping its
+    /// matrices borrow goes: a freed and reused mapping can never meet stale
+    /// device copies.
     pub fn new_tier() -> u32 {
         let mut t = tiers().lock().unwrap_or_else(|e| e.into_inner());
-        t.map.clear();
         let id = t.next;
         t.next += 1;
         id
+    }
+
+    /// Free tier `id`'s device copies.
+    pub fn release(id: u32) {
+        let mut t = tiers().lock().unwrap_or_else(|e| e.into_inner());
+        t.map.retain(|k, _| k.0 != id);
     }
 
     /// Copy `m` to the GPU into `tier` (once). Err: no GPU, or out of memory.
@@ -700,11 +930,17 @@ pub mod tier {
         t.map.get(&key(tier, m)).cloned()
     }
 
-    /// Bytes resident now.
-    pub fn bytes() -> u64 {
+    /// Bytes resident in tier `id`.
+    pub fn bytes(id: u32) -> u64 {
         tiers()
             .lock()
-            .map(|t| t.map.values().map(|d| d.bytes as u64).sum())
+            .map(|t| {
+                t.map
+                    .iter()
+                    .filter(|(k, _)| k.0 == id)
+                    .map(|(_, d)| d.bytes as u64)
+                    .sum()
+            })
             .unwrap_or(0)
     }
 
@@ -727,12 +963,24 @@ pub mod tier {
     }
 }
 
+/// Free VRAM tier `id` (a no-op without the `cuda` feature, where there
+/// are no tiers).
+pub fn release_tier(id: u32) {
+    #[cfg(feature = "cuda")]
+    tier::release(id);
+    #[cfg(not(feature = "cuda"))]
+    let _ = id;
+}
+
 /// One line for banners and `bespoke plan`: the device in use, or why the
 /// engine runs on the CPU.
 pub fn status_line() -> String {
     #[cfg(feature = "cuda")]
     {
         match imp::gpu() {
+            Ok(g) if g.emulated() => "CUDA: emulated on the CPU (BESPOKE_CUDA=emu): the CUDA-core \
+                 kernels, for testing; no tensor cores, no speed"
+                .into(),
             Ok(g) => format!(
                 "CUDA: {} (sm_{}{}, {:.0} GiB), kernels from the {} image",
                 g.name,
@@ -774,13 +1022,20 @@ pub fn place_model(
             let items = eng.placement_items();
             let only: Vec<crate::placement::Item> = items.iter().map(|(i, _)| i.clone()).collect();
             let p = crate::placement::place(&only, &eng.usage().snapshot(), budget.min(free));
-            for ((_, mats), on) in items.iter().zip(&p.on_gpu) {
-                if *on {
-                    for m in mats {
-                        let mm = m.matrix().map_err(|e| e.to_string())?;
-                        tier::make_resident(id, &mm)?;
+            let upload = || -> Result<(), String> {
+                for ((_, mats), on) in items.iter().zip(&p.on_gpu) {
+                    if *on {
+                        for m in mats {
+                            let mm = m.matrix().map_err(|e| e.to_string())?;
+                            tier::make_resident(id, &mm)?;
+                        }
                     }
                 }
+                Ok(())
+            };
+            if let Err(e) = upload() {
+                tier::release(id);
+                return Err(e);
             }
             p
         };
@@ -788,7 +1043,7 @@ pub fn place_model(
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         Ok(Some(format!(
             "CUDA: VRAM tier {:.2} GiB of a {:.2} GiB budget: {} of {} dense matrices, {} of {} routed experts (most used first per layer); the rest on the CPU",
-            gib(tier::bytes()),
+            gib(tier::bytes(id)),
             gib(budget),
             p.dense.0,
             p.dense.1,

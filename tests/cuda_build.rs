@@ -304,3 +304,38 @@ fn no_nvcc_means_no_gpu_kernels_and_says_why() {
     assert!(warnings[0].contains("no GPU kernels were built"));
     assert!(!table.contains("include_bytes"));
 }
+
+/// The emulator's rendering (BESPOKE_CUDA=emu): every CUDA-core kernel, no
+/// tensor-core code, and the kernel table names exactly the kernels defined.
+#[test]
+fn the_emulator_gets_the_cuda_core_kernels_and_a_table_of_them() {
+    let (shapes, attn) = shapes();
+    let template = std::fs::read_to_string(root().join("templates/cuda.cu.tera")).unwrap();
+    let src = cuda_build::emulator_render(&template, &shapes, &attn).unwrap();
+    assert!(!src.contains("asm volatile"), "tensor-core code in the emulator's source");
+    let names = cuda_build::kernel_names(&src);
+    for f in ["f32", "bf16", "fp8", "fp4"] {
+        for op in ["matvec", "matmul"] {
+            let k = format!("bs_cu_{op}_{f}");
+            assert!(names.contains(&k), "{k} missing from {names:?}");
+        }
+    }
+    assert!(names.contains(&"bs_cu_attn_decode".to_string()));
+    assert!(names.iter().all(|n| !n.starts_with("bs_tc_")), "{names:?}");
+    // Every specialised shape has its kernels.
+    for s in &shapes {
+        let k = format!("bs_cu_matvec_{}_{}x{}", s.format.name(), s.rows, s.cols);
+        assert!(names.contains(&k), "{k} missing");
+    }
+    // The parser: launch bounds with nested parentheses, several per line.
+    assert_eq!(
+        cuda_build::kernel_names(
+            "extern \"C\" __global__ void __launch_bounds__(32 * (2 + 2)) a_1(int x) {}\n\
+             extern \"C\" __global__ void b(float *y) {} __global__ void c2() {}"
+        ),
+        ["a_1", "b", "c2"]
+    );
+    let unit = cuda_build::emulator_unit(Path::new("/o/emu.cu"), &names[..2]);
+    assert!(unit.contains("#include \"/o/emu.cu\""));
+    assert!(unit.contains(&format!("bs_emu_call({}, a)", names[1])));
+}

@@ -1,9 +1,11 @@
 //! The CUDA kernels against the CPU reference, on a GPU (`cuda` builds).
 //!
-//! With no GPU (CI) there is nothing to run these kernels on: each test then
-//! checks that the runtime says why, in one line, and stops.
-//! `BESPOKE_REQUIRE_GPU=1` (tools/gpu-check.sh sets it) makes a missing GPU a
-//! failure instead.
+//! The CUDA-core kernels (and the VRAM tier through the CLI) also run on the
+//! CPU emulator of those kernels (`BESPOKE_CUDA=emu`, kernels/bs_cuda_emu.*),
+//! GPU or not: with no GPU (CI) that is what checks them. The tensor-core
+//! paths need a GPU: without one, those tests check that the runtime says
+//! why, in one line, and stop. `BESPOKE_REQUIRE_GPU=1` (tools/gpu-check.sh
+//! sets it) makes a missing GPU a failure instead.
 //!
 //! The GPU contract is a bound, not bit identity (the CUDA cores sum in a
 //! different order): |y_gpu - y_ref| <= (cols + 64) * 2^-24 * sum|w x| for the
@@ -21,6 +23,14 @@ use common::Rng;
 /// The GPU, or None after checking the no-GPU reason (unless one is required).
 fn gpu_or_reason() -> Option<&'static gpu::Gpu> {
     match gpu::gpu() {
+        Ok(g) if g.emulated() => {
+            assert!(
+                std::env::var("BESPOKE_REQUIRE_GPU").is_err(),
+                "BESPOKE_REQUIRE_GPU is set but BESPOKE_CUDA=emu asks for the emulator"
+            );
+            println!("BESPOKE_CUDA=emu: no GPU; GPU-only checks not run");
+            None
+        }
         Ok(g) => {
             println!(
                 "GPU: {} sm_{}{} (image {})",
@@ -44,6 +54,30 @@ fn gpu_or_reason() -> Option<&'static gpu::Gpu> {
             println!("no GPU ({why}): GPU kernels not run");
             None
         }
+    }
+}
+
+/// Where the CUDA-core checks run: the GPU when there is one, and the CPU
+/// emulator of the CUDA-core kernels always.
+fn core_devices() -> Vec<&'static gpu::Gpu> {
+    let mut v: Vec<&'static gpu::Gpu> = gpu_or_reason().into_iter().collect();
+    v.push(gpu::emulator());
+    v
+}
+
+fn device_name(g: &gpu::Gpu) -> &'static str {
+    if g.emulated() {
+        "emulator"
+    } else {
+        "GPU"
+    }
+}
+
+#[test]
+fn the_emulator_keeps_cuda_semantics() {
+    match gpu::emulator_selftest() {
+        Ok(what) => println!("{what}"),
+        Err(e) => panic!("emulator self-test: {e}"),
     }
 }
 
@@ -153,8 +187,14 @@ const SHAPES: &[(usize, usize)] = &[(64, 64), (130, 256), (256, 1024), (1, 4096)
 
 #[test]
 fn cuda_core_kernels_match_the_reference() {
-    let Some(g) = gpu_or_reason() else { return };
+    for g in core_devices() {
+        cuda_core_kernels_on(g);
+    }
+}
+
+fn cuda_core_kernels_on(g: &gpu::Gpu) {
     let mut rng = Rng(7);
+    let dev = device_name(g);
     for f in [Format::F32, Format::Bf16, Format::Fp8, Format::Fp4] {
         for &(rows, cols) in SHAPES {
             let o = Owned::new(f, rows, cols, &mut rng);
@@ -167,7 +207,7 @@ fn cuda_core_kernels_match_the_reference() {
                 let got = g.matmul(&gpu::core_kernel(f, n, None), &d, &x, n).unwrap();
                 let rel = (cols + 64) as f64 * 2f64.powi(-24);
                 check(
-                    &format!("{f} {rows}x{cols} n={n} CUDA cores"),
+                    &format!("{dev}: {f} {rows}x{cols} n={n} CUDA cores"),
                     &got,
                     &want,
                     &mag,
@@ -180,7 +220,13 @@ fn cuda_core_kernels_match_the_reference() {
 
 #[test]
 fn specialised_cuda_kernels_run_for_the_build_shapes() {
-    let Some(g) = gpu_or_reason() else { return };
+    for g in core_devices() {
+        specialised_kernels_on(g);
+    }
+}
+
+fn specialised_kernels_on(g: &gpu::Gpu) {
+    let dev = device_name(g);
     let plan = bespoke::report::build_plan();
     let mut rng = Rng(11);
     // A few of the build's shapes per format (not the largest: the reference is slow).
@@ -201,7 +247,7 @@ fn specialised_cuda_kernels_run_for_the_build_shapes() {
                     .unwrap();
                 let rel = (s.cols + 64) as f64 * 2f64.powi(-24);
                 check(
-                    &format!("{f} {}x{} n={n} specialised", s.rows, s.cols),
+                    &format!("{dev}: {f} {}x{} n={n} specialised", s.rows, s.cols),
                     &got,
                     &bespoke::reference::matmul(&m, &x, n),
                     &magnitudes(&m, &x, n),
@@ -379,7 +425,13 @@ fn tensor_core_paths_match_within_their_bounds() {
 
 #[test]
 fn attention_decode_matches_the_reference() {
-    let Some(g) = gpu_or_reason() else { return };
+    for g in core_devices() {
+        attention_on(g);
+    }
+}
+
+fn attention_on(g: &gpu::Gpu) {
+    let dev = device_name(g);
     let mut rng = Rng(17);
     for &(hd, h, kvh, t_len, window, sinks) in &[
         (64usize, 8usize, 2usize, 37usize, 0usize, false),
@@ -425,38 +477,59 @@ fn attention_decode_matches_the_reference() {
         for (i, (a, b)) in got.iter().zip(&want).enumerate() {
             assert!(
                 (a - b).abs() <= 1e-5,
-                "attention hd{hd} h{h} kv{kvh} t{t_len}: out {i}: GPU {a} vs CPU {b}"
+                "{dev}: attention hd{hd} h{h} kv{kvh} t{t_len}: out {i}: {a} vs CPU {b}"
             );
         }
-        println!("attention hd{hd} h{h} kv{kvh} t{t_len} window {window} sinks {sinks}: ok");
+        println!("{dev}: attention hd{hd} h{h} kv{kvh} t{t_len} window {window} sinks {sinks}: ok");
     }
 }
 
 /// The CLI with the VRAM tier: `score` runs with the fixtures' matrices on the
-/// GPU and says so. (Token-exactness is checked by the oracle tests run with
-/// BESPOKE_TEST_VRAM, below.)
+/// GPU (and on the emulator), says so, and gives the CPU's greedy choices
+/// with logits within 1e-3 of its own. (The full token-exact oracle checks
+/// run in tests/engine.rs and tests/dsv4.rs with BESPOKE_TEST_VRAM set: by
+/// tools/gpu-check.sh on a GPU, by .ci/run on the emulator.)
 #[test]
 fn score_runs_with_every_matrix_in_the_vram_tier() {
-    let Some(_) = gpu_or_reason() else { return };
-    for name in ["tiny-llama", "tiny-qwen3-moe", "tiny-dsv4"] {
-        let out = common::bespoke_command()
-            .args([
-                "score",
-                "--model",
-                &format!("fixtures/{name}"),
-                "--json",
-                "--vram",
-                "4",
-            ])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{name}: {err}");
-        assert!(err.contains("CUDA: VRAM tier"), "{name}: {err}");
+    let mut envs: Vec<(&str, Vec<(&str, &str)>)> =
+        vec![("emulator", vec![("BESPOKE_CUDA", "emu")])];
+    if gpu_or_reason().is_some() {
+        envs.push(("GPU", vec![]));
     }
-    // The oracle comparison itself runs in tests/engine.rs and tests/dsv4.rs
-    // (check_model) with BESPOKE_TEST_VRAM set by tools/gpu-check.sh.
+    for name in ["tiny-llama", "tiny-qwen3-moe", "tiny-dsv4"] {
+        let (ok, cpu, err) = score_last(name, &[], &[("BESPOKE_CUDA", "off")]);
+        assert!(ok, "{name} on the CPU: {err}");
+        let cpu = last_logits(&cpu);
+        for (dev, env) in &envs {
+            let (ok, out, err) = score_last(name, &["--vram", "4"], env);
+            assert!(ok, "{name} on the {dev}: {err}");
+            assert!(
+                err.contains("CUDA: VRAM tier"),
+                "{name} on the {dev}: {err}"
+            );
+            let (am, l) = last_logits(&out);
+            assert_eq!(am, cpu.0, "{name} on the {dev}: greedy choices");
+            let dist = l
+                .iter()
+                .zip(&cpu.1)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f64::max);
+            assert!(dist < 1e-3, "{name} on the {dev}: logits moved by {dist}");
+            println!("{name} on the {dev}: the CPU's greedy choices, logits within {dist:.1e}");
+        }
+    }
+}
+
+/// `score --json --logits last` output: (argmax per position, last logits).
+fn last_logits(out: &str) -> (Vec<serde_json::Value>, Vec<f64>) {
+    let v: serde_json::Value = serde_json::from_str(out).unwrap();
+    let l = v["last_logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    (v["argmax"].as_array().unwrap().clone(), l)
 }
 
 /// `score --json --logits last` of a fixture's first reference prompt with
@@ -518,17 +591,7 @@ fn activation_variants_take_the_tensor_cores() {
             ok && err.contains("CUDA: VRAM tier"),
             "{model} {flag} {value}: {err}"
         );
-        let parse = |o: &str| {
-            let v: serde_json::Value = serde_json::from_str(o).unwrap();
-            let l: Vec<f64> = v["last_logits"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap())
-                .collect();
-            (v, l)
-        };
-        let ((vc, lc), (vg, lg)) = (parse(&cpu), parse(&gpu_out));
+        let ((a, lc), (b, lg)) = (last_logits(&cpu), last_logits(&gpu_out));
         let dist = lc
             .iter()
             .zip(&lg)
@@ -539,8 +602,6 @@ fn activation_variants_take_the_tensor_cores() {
             dist < 0.02 * scale,
             "{model} {flag} {value}: GPU moved the logits by {dist} (largest {scale})"
         );
-        let am = |v: &serde_json::Value| v["argmax"].as_array().unwrap().clone();
-        let (a, b) = (am(&vc), am(&vg));
         let same = a.iter().zip(&b).filter(|(x, y)| x == y).count();
         assert!(
             same * 10 >= a.len() * 9,

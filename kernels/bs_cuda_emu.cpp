@@ -1,0 +1,313 @@
+/* bespoke's CPU emulator of its CUDA-core kernels: the runtime (fibers, the
+ * per-block scheduler, launches by kernel name). The device side is
+ * kernels/bs_cuda_emu.h; build.rs compiles the rendered templates/cuda.cu.tera
+ * against it into a table of kernels (bs_emu_find), and src/gpu.rs calls
+ * bs_emu_launch with the arguments it would give the driver.
+ *
+ * A launch runs its blocks one after another. A block's threads are fibers
+ * on stacks of their own, run one at a time: each runs until it waits
+ * (__syncthreads, a warp shuffle, __syncwarp) or returns; then the waits
+ * that are complete are released. A wait that can never complete (a
+ * shuffle whose warp has lanes that returned, threads waiting at different
+ * kinds of barrier) fails the launch with a message instead of hanging. */
+#include <mutex>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <vector>
+
+#include "bs_cuda_emu.h"
+
+#if !(defined(__x86_64__) && defined(__linux__))
+#include <ucontext.h>
+#endif
+
+bs_emu_thread *bs_emu_cur;
+bs_dim3 bs_emu_block, bs_emu_bdim, bs_emu_gdim;
+
+/* The rendered kernels' table (the generated emu.cpp). */
+extern "C" bs_emu_thunk bs_emu_find(const char *name);
+
+namespace {
+
+enum State { RUN, AT_WARP, AT_BLOCK, DONE };
+
+/* 64 KiB per thread: the kernels keep small arrays (at most a few hundred
+ * bytes) in locals. */
+const size_t STACK = 64 << 10;
+
+struct Fiber {
+    bs_emu_thread t; /* first: bs_emu_cur points here */
+    State state;
+    unsigned lane, warp, shfl_n;
+#if defined(__x86_64__) && defined(__linux__)
+    void *sp;
+#else
+    ucontext_t ctx;
+#endif
+    char *stack;
+};
+
+struct Emu {
+    std::vector<Fiber> fibers;
+    std::vector<uint32_t> slots; /* [warp][parity][lane] */
+    Fiber *cur = nullptr;
+    bs_emu_thunk thunk = nullptr;
+    void **args = nullptr;
+#if defined(__x86_64__) && defined(__linux__)
+    void *sched_sp = nullptr;
+#else
+    ucontext_t sched;
+#endif
+};
+
+Emu emu;
+std::mutex emu_lock;
+
+} // namespace
+
+#if defined(__x86_64__) && defined(__linux__)
+/* bs_emu_swap(save, load): push the callee-saved registers, MXCSR and the
+ * x87 control word on this stack, store the stack pointer at *save, switch to
+ * the stack `load` and pop the same from it. A new fiber's stack is laid out
+ * as if it had called bs_emu_swap, with bs_emu_entry as the return address.
+ * (The System V ABI: rbx, rbp, r12-r15 and the two control words are the
+ * state a caller may rely on across a call; everything else is clobbered by
+ * the call itself.) */
+extern "C" void bs_emu_swap(void **save, void *load);
+extern "C" void bs_emu_entry();
+__asm__(".text\n"
+        ".p2align 4\n"
+        ".globl bs_emu_swap\n"
+        ".hidden bs_emu_swap\n"
+        ".type bs_emu_swap,@function\n"
+        "bs_emu_swap:\n"
+        "  pushq %rbp\n"
+        "  pushq %rbx\n"
+        "  pushq %r12\n"
+        "  pushq %r13\n"
+        "  pushq %r14\n"
+        "  pushq %r15\n"
+        "  subq $8, %rsp\n"
+        "  stmxcsr (%rsp)\n"
+        "  fnstcw 4(%rsp)\n"
+        "  movq %rsp, (%rdi)\n"
+        "  movq %rsi, %rsp\n"
+        "  ldmxcsr (%rsp)\n"
+        "  fldcw 4(%rsp)\n"
+        "  addq $8, %rsp\n"
+        "  popq %r15\n"
+        "  popq %r14\n"
+        "  popq %r13\n"
+        "  popq %r12\n"
+        "  popq %rbx\n"
+        "  popq %rbp\n"
+        "  ret\n"
+        ".size bs_emu_swap, .-bs_emu_swap\n"
+        /* A new fiber starts here with rsp 16-byte aligned, as before a call. */
+        ".p2align 4\n"
+        ".globl bs_emu_entry\n"
+        ".hidden bs_emu_entry\n"
+        ".type bs_emu_entry,@function\n"
+        "bs_emu_entry:\n"
+        "  call bs_emu_fiber_main\n"
+        "  ud2\n"
+        ".size bs_emu_entry, .-bs_emu_entry\n");
+#endif
+
+/* A fiber's life: run the kernel for its thread, then hand back for good. */
+extern "C" __attribute__((used, visibility("hidden"))) void bs_emu_fiber_main()
+{
+    emu.thunk(emu.args);
+    emu.cur->state = DONE;
+#if defined(__x86_64__) && defined(__linux__)
+    bs_emu_swap(&emu.cur->sp, emu.sched_sp);
+#else
+    swapcontext(&emu.cur->ctx, &emu.sched);
+#endif
+    abort(); /* a finished fiber is never resumed */
+}
+
+namespace {
+
+void to_sched(Fiber *f)
+{
+#if defined(__x86_64__) && defined(__linux__)
+    bs_emu_swap(&f->sp, emu.sched_sp);
+#else
+    swapcontext(&f->ctx, &emu.sched);
+#endif
+}
+
+void to_fiber(Fiber *f)
+{
+    emu.cur = f;
+    bs_emu_cur = &f->t;
+#if defined(__x86_64__) && defined(__linux__)
+    bs_emu_swap(&emu.sched_sp, f->sp);
+#else
+    swapcontext(&emu.sched, &f->ctx);
+#endif
+}
+
+void park(State s)
+{
+    Fiber *f = emu.cur;
+    f->state = s;
+    to_sched(f);
+}
+
+void prime(Fiber *f)
+{
+#if defined(__x86_64__) && defined(__linux__)
+    /* The stack as bs_emu_swap leaves it: control words, r15 ... rbp, then
+     * the return address (bs_emu_entry) in the top 8 bytes of an aligned top. */
+    uintptr_t top = ((uintptr_t)(f->stack + STACK)) & ~(uintptr_t)15;
+    uint64_t *sp = (uint64_t *)top - 8;
+    uint32_t csr;
+    uint16_t cw;
+    __asm__ volatile("stmxcsr %0" : "=m"(csr));
+    __asm__ volatile("fnstcw %0" : "=m"(cw));
+    sp[0] = (uint64_t)csr | ((uint64_t)cw << 32);
+    for (int i = 1; i < 7; ++i) sp[i] = 0; /* r15, r14, r13, r12, rbx, rbp */
+    sp[7] = (uint64_t)(uintptr_t)&bs_emu_entry;
+    f->sp = sp;
+#else
+    getcontext(&f->ctx);
+    f->ctx.uc_stack.ss_sp = f->stack;
+    f->ctx.uc_stack.ss_size = STACK;
+    f->ctx.uc_link = nullptr;
+    makecontext(&f->ctx, (void (*)())bs_emu_fiber_main, 0);
+#endif
+}
+
+void say(char *err, size_t len, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, len, fmt, ap);
+    va_end(ap);
+}
+
+/* Run one block; 0, or 1 with a message in err. */
+int run_block(size_t nthreads, char *err, size_t errlen)
+{
+    const size_t nwarps = (nthreads + 31) / 32;
+    for (size_t i = 0; i < nthreads; ++i) {
+        Fiber *f = &emu.fibers[i];
+        f->t.tid = bs_dim3{(unsigned)(i % bs_emu_bdim.x), (unsigned)(i / bs_emu_bdim.x % bs_emu_bdim.y),
+                           (unsigned)(i / ((size_t)bs_emu_bdim.x * bs_emu_bdim.y))};
+        f->state = RUN;
+        f->lane = (unsigned)(i % 32);
+        f->warp = (unsigned)(i / 32);
+        f->shfl_n = 0;
+        prime(f);
+    }
+    for (;;) {
+        for (size_t i = 0; i < nthreads; ++i)
+            if (emu.fibers[i].state == RUN) to_fiber(&emu.fibers[i]);
+        bool released = false;
+        for (size_t w = 0; w < nwarps; ++w) {
+            const size_t lo = w * 32, hi = lo + 32 < nthreads ? lo + 32 : nthreads;
+            size_t at_warp = 0, done = 0;
+            for (size_t i = lo; i < hi; ++i) {
+                at_warp += emu.fibers[i].state == AT_WARP;
+                done += emu.fibers[i].state == DONE;
+            }
+            if (at_warp == 0) continue;
+            if (at_warp + done == hi - lo) {
+                if (done) {
+                    say(err, errlen,
+                        "block (%u,%u,%u) warp %zu: a shuffle or __syncwarp waits on %zu lanes that have returned",
+                        bs_emu_block.x, bs_emu_block.y, bs_emu_block.z, w, done);
+                    return 1;
+                }
+                for (size_t i = lo; i < hi; ++i) emu.fibers[i].state = RUN;
+                released = true;
+            }
+        }
+        if (released) continue;
+        size_t live = 0, at_block = 0;
+        for (size_t i = 0; i < nthreads; ++i) {
+            live += emu.fibers[i].state != DONE;
+            at_block += emu.fibers[i].state == AT_BLOCK;
+        }
+        if (live == 0) return 0;
+        if (at_block == live) {
+            /* Threads that returned do not take part (sm_70 and later). */
+            for (size_t i = 0; i < nthreads; ++i)
+                if (emu.fibers[i].state == AT_BLOCK) emu.fibers[i].state = RUN;
+            continue;
+        }
+        say(err, errlen,
+            "block (%u,%u,%u): deadlock: %zu of %zu live threads at __syncthreads, the others at a warp "
+            "shuffle whose warp is not all there",
+            bs_emu_block.x, bs_emu_block.y, bs_emu_block.z, at_block, live);
+        return 1;
+    }
+}
+
+} // namespace
+
+void __syncthreads() { park(AT_BLOCK); }
+void bs_emu_warp_wait() { park(AT_WARP); }
+int bs_emu_lane() { return (int)emu.cur->lane; }
+void bs_emu_shfl_put(uint32_t v)
+{
+    const Fiber *f = emu.cur;
+    emu.slots[((size_t)f->warp * 2 + (f->shfl_n & 1)) * 32 + f->lane] = v;
+}
+uint32_t *bs_emu_shfl_slot(int src)
+{
+    Fiber *f = emu.cur;
+    uint32_t *p = &emu.slots[((size_t)f->warp * 2 + (f->shfl_n & 1)) * 32 + (size_t)src];
+    ++f->shfl_n;
+    return p;
+}
+
+/* Launch kernel `name` over grid[3] blocks of block[3] threads with the
+ * driver's argument convention (args[i] points at parameter i's value).
+ * 0: done; 1: unknown kernel or bad geometry; 2: the kernel failed (a wait
+ * that cannot complete). err gets the reason. Launches from several threads
+ * take turns. */
+extern "C" int bs_emu_launch(const char *name, const unsigned grid[3], const unsigned block[3], void **args,
+                             char *err, size_t errlen)
+{
+    std::lock_guard<std::mutex> g(emu_lock);
+    const bs_emu_thunk thunk = bs_emu_find(name);
+    if (!thunk) {
+        say(err, errlen, "no kernel %s in the emulator's build", name);
+        return 1;
+    }
+    const size_t nthreads = (size_t)block[0] * block[1] * block[2];
+    if (nthreads == 0 || nthreads > 1024 || grid[0] == 0 || grid[1] == 0 || grid[2] == 0) {
+        say(err, errlen, "%s: bad launch geometry: grid %ux%ux%u, block %ux%ux%u (at most 1024 threads)", name,
+            grid[0], grid[1], grid[2], block[0], block[1], block[2]);
+        return 1;
+    }
+    if (emu.fibers.size() < nthreads) {
+        const size_t old = emu.fibers.size();
+        emu.fibers.resize(nthreads);
+        for (size_t i = old; i < nthreads; ++i) {
+            emu.fibers[i].stack = (char *)malloc(STACK);
+            if (!emu.fibers[i].stack) {
+                emu.fibers.resize(i);
+                say(err, errlen, "out of memory for the emulator's thread stacks");
+                return 1;
+            }
+        }
+    }
+    emu.slots.assign((nthreads + 31) / 32 * 64, 0);
+    emu.thunk = thunk;
+    emu.args = args;
+    bs_emu_bdim = bs_dim3{block[0], block[1], block[2]};
+    bs_emu_gdim = bs_dim3{grid[0], grid[1], grid[2]};
+    for (unsigned z = 0; z < grid[2]; ++z)
+        for (unsigned y = 0; y < grid[1]; ++y)
+            for (unsigned x = 0; x < grid[0]; ++x) {
+                bs_emu_block = bs_dim3{x, y, z};
+                if (run_block(nthreads, err, errlen)) return 2;
+            }
+    return 0;
+}
