@@ -37,10 +37,13 @@ enum State { RUN, AT_WARP, AT_BLOCK, DONE };
  * bytes) in locals. */
 const size_t STACK = 64 << 10;
 
+/* The most 32-bit words a lane gives bs_emu_warp_gather. */
+const int GATHER_WORDS = 16;
+
 struct Fiber {
     bs_emu_thread t; /* first: bs_emu_cur points here */
     State state;
-    unsigned lane, warp, shfl_n;
+    unsigned lane, warp, shfl_n, gather_n;
 #if defined(__x86_64__) && defined(__linux__)
     void *sp;
 #else
@@ -51,7 +54,8 @@ struct Fiber {
 
 struct Emu {
     std::vector<Fiber> fibers;
-    std::vector<uint32_t> slots; /* [warp][parity][lane] */
+    std::vector<uint32_t> slots;  /* [warp][parity][lane] */
+    std::vector<uint32_t> gather; /* [warp][parity][lane][GATHER_WORDS] */
     Fiber *cur = nullptr;
     bs_emu_thunk thunk = nullptr;
     void **args = nullptr;
@@ -202,6 +206,7 @@ int run_block(size_t nthreads, char *err, size_t errlen)
         f->lane = (unsigned)(i % 32);
         f->warp = (unsigned)(i / 32);
         f->shfl_n = 0;
+        f->gather_n = 0;
         prime(f);
     }
     for (;;) {
@@ -266,6 +271,19 @@ uint32_t *bs_emu_shfl_slot(int src)
     return p;
 }
 
+/* Every lane's `words` values, after all have given theirs (double-buffered
+ * by parity like the shuffles). */
+void bs_emu_warp_gather(const uint32_t *mine, int words, uint32_t *all)
+{
+    if (words > GATHER_WORDS) abort(); /* the emulator's own mma callers give 6 */
+    Fiber *f = emu.cur;
+    uint32_t *buf = &emu.gather[((size_t)f->warp * 2 + (f->gather_n & 1)) * 32 * GATHER_WORDS];
+    memcpy(buf + (size_t)f->lane * GATHER_WORDS, mine, sizeof(uint32_t) * (size_t)words);
+    park(AT_WARP);
+    for (int l = 0; l < 32; ++l) memcpy(all + l * words, buf + (size_t)l * GATHER_WORDS, sizeof(uint32_t) * (size_t)words);
+    ++f->gather_n;
+}
+
 /* Launch kernel `name` over grid[3] blocks of block[3] threads with the
  * driver's argument convention (args[i] points at parameter i's value).
  * 0: done; 1: unknown kernel or bad geometry; 2: the kernel failed (a wait
@@ -299,6 +317,7 @@ extern "C" int bs_emu_launch(const char *name, const unsigned grid[3], const uns
         }
     }
     emu.slots.assign((nthreads + 31) / 32 * 64, 0);
+    emu.gather.assign((nthreads + 31) / 32 * 64 * GATHER_WORDS, 0);
     emu.thunk = thunk;
     emu.args = args;
     bs_emu_bdim = bs_dim3{block[0], block[1], block[2]};

@@ -25,6 +25,8 @@
 #define __launch_bounds__(...)
 /* Shared memory: one copy per kernel, and blocks run one after another. */
 #define __shared__ static
+/* The rendered source's tensor-core wrappers call the emulator's mma. */
+#define BS_CUDA_EMU 1
 
 struct bs_dim3 {
     unsigned x, y, z;
@@ -112,6 +114,94 @@ static inline void __syncwarp(unsigned mask = 0xFFFFFFFFu)
 {
     (void)mask;
     bs_emu_warp_wait();
+}
+
+/* The tensor-core mma.sync shapes the kernels use, computed from the whole
+ * warp's fragments (the PTX ISA's layouts for m16n8k16 .bf16 and m16n8k32
+ * 8-bit types, with g = lane / 4 and t = lane % 4):
+ *   A (16 x K, row-major): register 0 holds row g, register 1 row g + 8,
+ *     registers 2 and 3 the same rows K/2 columns on; within a register the
+ *     columns E t .. E t + E - 1, low bits first (E values per register: 2
+ *     for BF16, 4 for 8-bit types);
+ *   B (K x 8): register 0 holds column g's rows E t .., register 1 the
+ *     same K/2 rows on;
+ *   C, D (16 x 8): rows g (c[0], c[1]) and g + 8 (c[2], c[3]), columns 2t
+ *     and 2t + 1.
+ * The products are exact and summed in double, then rounded once to f32
+ * (the hardware's summation order and internal precision are not
+ * specified; the tests hold tensor-core results to bounds, and INT8 is
+ * exact either way). */
+void bs_emu_warp_gather(const uint32_t *mine, int words, uint32_t *all);
+
+static inline double bs_emu_e4m3(uint32_t b)
+{
+    const int e = (int)((b >> 3) & 15u), m = (int)(b & 7u);
+    const double sign = (b & 0x80u) ? -1.0 : 1.0;
+    if (e == 15 && m == 7) return NAN;
+    return sign * (e ? ldexp(1.0 + m / 8.0, e - 7) : ldexp((double)m, -9));
+}
+
+/* E-valued fragments as doubles: A[16][K], B[K][8]. */
+template <int E, class Dec>
+static inline void bs_emu_fragments(const uint32_t *all, double A[16][32], double B[32][8], Dec dec)
+{
+    const int K = 8 * E, bits = 32 / E;
+    for (int l = 0; l < 32; ++l) {
+        const int g = l >> 2, t = l & 3;
+        const uint32_t *f = all + 6 * l;
+        for (int h = 0; h < E; ++h) {
+            const int sh = bits * h;
+            const uint32_t mask = bits == 32 ? 0xFFFFFFFFu : ((1u << bits) - 1u);
+            A[g][E * t + h] = dec((f[0] >> sh) & mask);
+            A[g + 8][E * t + h] = dec((f[1] >> sh) & mask);
+            A[g][K / 2 + E * t + h] = dec((f[2] >> sh) & mask);
+            A[g + 8][K / 2 + E * t + h] = dec((f[3] >> sh) & mask);
+            B[E * t + h][g] = dec((f[4] >> sh) & mask);
+            B[K / 2 + E * t + h][g] = dec((f[5] >> sh) & mask);
+        }
+    }
+}
+
+template <int E, class Dec> static inline void bs_emu_mma_f32(float c[4], const uint32_t a[4], const uint32_t b[2], Dec dec)
+{
+    const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+    uint32_t all[32 * 6];
+    bs_emu_warp_gather(mine, 6, all);
+    double A[16][32], B[32][8];
+    bs_emu_fragments<E>(all, A, B, dec);
+    const int lane = bs_emu_lane(), g = lane >> 2, t = lane & 3;
+    for (int i = 0; i < 4; ++i) {
+        const int r = g + (i >> 1) * 8, col = 2 * t + (i & 1);
+        double sum = c[i];
+        for (int k = 0; k < 8 * E; ++k) sum += A[r][k] * B[k][col];
+        c[i] = (float)sum;
+    }
+}
+
+static inline void bs_emu_mma_bf16(float c[4], const uint32_t a[4], const uint32_t b[2])
+{
+    bs_emu_mma_f32<2>(c, a, b, [](uint32_t h) { return (double)__uint_as_float(h << 16); });
+}
+
+static inline void bs_emu_mma_e4m3(float c[4], const uint32_t a[4], const uint32_t b[2])
+{
+    bs_emu_mma_f32<4>(c, a, b, bs_emu_e4m3);
+}
+
+static inline void bs_emu_mma_s8(int c[4], const uint32_t a[4], const uint32_t b[2])
+{
+    const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+    uint32_t all[32 * 6];
+    bs_emu_warp_gather(mine, 6, all);
+    double A[16][32], B[32][8];
+    bs_emu_fragments<4>(all, A, B, [](uint32_t v) { return (double)(int8_t)(uint8_t)v; });
+    const int lane = bs_emu_lane(), g = lane >> 2, t = lane & 3;
+    for (int i = 0; i < 4; ++i) {
+        const int r = g + (i >> 1) * 8, col = 2 * t + (i & 1);
+        int64_t sum = c[i];
+        for (int k = 0; k < 32; ++k) sum += (int64_t)A[r][k] * (int64_t)B[k][col];
+        c[i] = (int)(uint32_t)(uint64_t)sum; /* s32 accumulation wraps */
+    }
 }
 
 /* A kernel called with the driver's argument convention: args[i] points at

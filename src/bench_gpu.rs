@@ -46,7 +46,7 @@ pub fn bench_gpu(set: &ShapeSet, formats: &[Format], quick: bool) -> Result<GpuR
             );
         }
         let plan = crate::report::build_plan();
-        let tc_on = |key: &str| crate::gpu::image_has_tc(g.image.arch, key);
+        let tc_on = |key: &str| g.has_tc(key);
         let peak = g.peak_bandwidth();
         let iters = if quick { 5 } else { 50 };
         let mut rows_out = Vec::new();

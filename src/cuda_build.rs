@@ -397,9 +397,9 @@ pub fn write_if_changed(path: &Path, text: &str) -> Result<(), String> {
     fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// The arch whose rendering the CPU emulator compiles (`BESPOKE_CUDA=emu`):
-/// the oldest, with every tensor-core path off (the emulator has no tensor
-/// cores), so it runs the CUDA-core kernels every arch has.
+/// The source the CPU emulator compiles (`BESPOKE_CUDA=emu`): the CUDA-core
+/// kernels every arch has, and the tensor-core paths whose `mma.sync` the
+/// emulator computes ([`cuda::EMU_TC`]); the others are off.
 pub fn emulator_render(
     template: &str,
     shapes: &[MatShape],
@@ -408,9 +408,17 @@ pub fn emulator_render(
     let arch = Arch::parse("sm_80")?;
     let tc: Vec<TcDecision> = cuda::decide(arch, (0, 0), true)
         .into_iter()
-        .map(|d| TcDecision {
-            why: "the CPU emulator runs the CUDA-core kernels only".into(),
-            ..d
+        .map(|d| {
+            let on = cuda::EMU_TC.contains(&d.path.key());
+            TcDecision {
+                on,
+                why: if on {
+                    "emulated".into()
+                } else {
+                    "the CPU emulator does not compute this instruction".into()
+                },
+                ..d
+            }
         })
         .collect();
     render(template, arch, &tc, shapes, attn)

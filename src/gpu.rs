@@ -97,6 +97,35 @@ pub enum GpuAct {
     Q8,
 }
 
+/// X as the CPU variant of `act` sees it, for a product that runs on the
+/// CUDA cores (f32 sums): rounded to BF16 (bf16dot, fp8dot, amx), or
+/// quantized to int8 per 32 columns and taken back as q · d (fp4×q8). So a
+/// variant's numerics on the GPU do not change with the token count or the
+/// shape, only the order of its sums. None: f32 activations, X as it is.
+pub fn variant_activations(
+    act: GpuAct,
+    x: &[f32],
+    cols: usize,
+) -> Result<Option<Vec<f32>>, String> {
+    match act {
+        GpuAct::F32 => Ok(None),
+        GpuAct::Bf16 => Ok(Some(
+            x.iter()
+                .map(|&v| f32::from_bits((crate::bf16act::round(v) as u32) << 16))
+                .collect(),
+        )),
+        GpuAct::Q8 => {
+            let mut out = vec![0f32; x.len()];
+            let mut a = crate::q8::Q8Act::default();
+            for (xt, ot) in x.chunks(cols.max(1)).zip(out.chunks_mut(cols.max(1))) {
+                a.quantize_from(xt).map_err(|e| e.to_string())?;
+                a.dequantize_into(ot);
+            }
+            Ok(Some(out))
+        }
+    }
+}
+
 /// The fewest tokens a product takes to a tensor-core kernel. A decode
 /// step's matvec (one token) stays on the CUDA cores: it is bound by reading
 /// the weights, and a tensor-core tile would use one of its 8 columns.
@@ -359,6 +388,16 @@ mod imp {
     }
 
     impl Gpu {
+        /// Whether the loaded kernels have tensor-core path `key` (a
+        /// `TcPath::key`): the build plan's decision for the image, or the
+        /// emulator's list.
+        pub fn has_tc(&self, key: &str) -> bool {
+            match self.dev {
+                Dev::Emu => crate::plan::cuda::EMU_TC.contains(&key),
+                Dev::Cuda { .. } => image_has_tc(self.image.arch, key),
+            }
+        }
+
         /// Whether this is the CPU emulator (`BESPOKE_CUDA=emu`), not a GPU.
         pub fn emulated(&self) -> bool {
             matches!(self.dev, Dev::Emu)
@@ -957,9 +996,14 @@ pub mod tier {
         act: GpuAct,
     ) -> Result<Vec<f32>, String> {
         let g = gpu().map_err(str::to_string)?;
-        let kernel = tc_kernel(d.format, n, d.cols, act, |k| image_has_tc(g.image.arch, k))
-            .unwrap_or_else(|| core_kernel(d.format, n, specialised.then_some((d.rows, d.cols))));
-        g.matmul(&kernel, d, x, n)
+        if let Some(k) = tc_kernel(d.format, n, d.cols, act, |k| g.has_tc(k)) {
+            return g.matmul(&k, d, x, n);
+        }
+        let kernel = core_kernel(d.format, n, specialised.then_some((d.rows, d.cols)));
+        match variant_activations(act, x, d.cols)? {
+            Some(xr) => g.matmul(&kernel, d, &xr, n),
+            None => g.matmul(&kernel, d, x, n),
+        }
     }
 }
 
@@ -1073,6 +1117,35 @@ pub fn core_kernel(format: Format, n: usize, shape: Option<(usize, usize)>) -> S
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cuda_core_products_see_the_variants_activations() {
+        let x: Vec<f32> = (0..64).map(|i| (i as f32 - 20.3) * 0.731).collect();
+        assert_eq!(variant_activations(GpuAct::F32, &x, 64).unwrap(), None);
+        let b = variant_activations(GpuAct::Bf16, &x, 64).unwrap().unwrap();
+        for (v, r) in x.iter().zip(&b) {
+            assert_eq!(r.to_bits() & 0xFFFF, 0, "{v} -> {r}: not a BF16 value");
+            assert!((v - r).abs() <= v.abs() * 2f32.powi(-8), "{v} -> {r}");
+        }
+        // Two tokens of 32 columns: each block's own scale, codes within ±127.
+        let q = variant_activations(GpuAct::Q8, &x, 32).unwrap().unwrap();
+        for (xt, qt) in x.chunks(32).zip(q.chunks(32)) {
+            let amax = xt.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            for (v, r) in xt.iter().zip(qt) {
+                let k = r / d;
+                assert!(
+                    (k - k.round()).abs() < 1e-3 && k.abs() <= 127.5,
+                    "{v} -> {r}"
+                );
+                assert!((v - r).abs() <= d * 0.5001, "{v} -> {r} (d {d})");
+            }
+        }
+        // The largest |x| of a block is exactly 127 codes.
+        assert!(q[..32]
+            .iter()
+            .any(|r| (r.abs() - 20.3 * 0.731).abs() < 1e-4));
+    }
 
     #[test]
     fn prefill_products_take_the_tensor_cores_of_their_numerics() {

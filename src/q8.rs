@@ -86,6 +86,24 @@ impl Q8Act {
         &self.d
     }
 
+    /// The activations as these codes stand for them, q · d, in column
+    /// order (out: `cols` values).
+    pub fn dequantize_into(&self, out: &mut [f32]) {
+        for (b, (qb, ob)) in self
+            .q
+            .chunks_exact(BLOCK)
+            .zip(out.chunks_exact_mut(BLOCK))
+            .enumerate()
+        {
+            let d = self.d[b];
+            for (c, o) in ob.iter_mut().enumerate() {
+                // Even columns first in a block, then the odd ones.
+                let i = if c % 2 == 0 { c / 2 } else { BLOCK / 2 + c / 2 };
+                *o = qb[i] as f32 * d;
+            }
+        }
+    }
+
     /// Quantize x (its length a multiple of 32).
     pub fn quantize(x: &[f32]) -> Result<Q8Act, KernelError> {
         let mut a = Q8Act::default();

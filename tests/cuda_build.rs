@@ -312,7 +312,10 @@ fn the_emulator_gets_the_cuda_core_kernels_and_a_table_of_them() {
     let (shapes, attn) = shapes();
     let template = std::fs::read_to_string(root().join("templates/cuda.cu.tera")).unwrap();
     let src = cuda_build::emulator_render(&template, &shapes, &attn).unwrap();
-    assert!(!src.contains("asm volatile"), "tensor-core code in the emulator's source");
+    assert!(
+        !src.contains("asm volatile"),
+        "tensor-core code in the emulator's source"
+    );
     let names = cuda_build::kernel_names(&src);
     for f in ["f32", "bf16", "fp8", "fp4"] {
         for op in ["matvec", "matmul"] {

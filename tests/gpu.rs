@@ -322,14 +322,24 @@ fn mxf4_product(m: &Matrix, x: &[f32], n: usize) -> (Vec<f32>, Vec<f32>) {
     (y, mag)
 }
 
-/// Which tensor-core kernels the loaded image has (from the build plan).
+/// Which tensor-core kernels the device has (the build plan's for the
+/// image, or the emulator's).
 fn tc_on(g: &gpu::Gpu, key: &str) -> bool {
-    gpu::image_has_tc(g.image.arch, key)
+    g.has_tc(key)
 }
 
+/// On the GPU, and on the emulator for the paths it computes
+/// (`plan::cuda::EMU_TC`: its `mma.sync` follows the PTX ISA's fragment
+/// layouts, so a kernel that misplaces a row, column or block fails here).
 #[test]
 fn tensor_core_paths_match_within_their_bounds() {
-    let Some(g) = gpu_or_reason() else { return };
+    for g in core_devices() {
+        tensor_core_paths_on(g);
+    }
+}
+
+fn tensor_core_paths_on(g: &gpu::Gpu) {
+    let dev = device_name(g);
     let mut rng = Rng(13);
     let u = 2f64.powi(-24);
     // 576 columns: 9 steps of K = 64, so tcgen05's last group of 4 is partial;
@@ -351,7 +361,7 @@ fn tensor_core_paths_match_within_their_bounds() {
                             .matmul(&format!("{kernel}{}", f.name()), &d, &x, n)
                             .unwrap();
                         check(
-                            &format!("{key} {f} {rows}x{cols} n={n}"),
+                            &format!("{dev}: {key} {f} {rows}x{cols} n={n}"),
                             &got,
                             &want,
                             &mag,
@@ -363,7 +373,7 @@ fn tensor_core_paths_match_within_their_bounds() {
                     // E4M3 activations: 2^-4 relative per element.
                     let got = g.matmul("bs_tc_fp8_fp8", &d, &x, n).unwrap();
                     check(
-                        &format!("mma_fp8 {rows}x{cols} n={n}"),
+                        &format!("{dev}: mma_fp8 {rows}x{cols} n={n}"),
                         &got,
                         &want,
                         &mag,
@@ -381,11 +391,13 @@ fn tensor_core_paths_match_within_their_bounds() {
                             let gpu_v = got[j * rows + r];
                             assert!(
                                 common::same(cpu, gpu_v),
-                                "mma_int8 {rows}x{cols} token {j} row {r}: GPU {gpu_v} vs CPU fp4×q8 {cpu}"
+                                "{dev}: mma_int8 {rows}x{cols} token {j} row {r}: {gpu_v} vs CPU fp4×q8 {cpu}"
                             );
                         }
                     }
-                    println!("mma_int8 {rows}x{cols} n={n}: bit-identical to the CPU fp4×q8");
+                    println!(
+                        "{dev}: mma_int8 {rows}x{cols} n={n}: bit-identical to the CPU fp4×q8"
+                    );
                 }
                 for (key, kernel) in [
                     ("mma_mxf4", "bs_tc_mxf4_fp4"),
@@ -399,7 +411,7 @@ fn tensor_core_paths_match_within_their_bounds() {
                     // one E2M1 step (a quarter of the block's max) off per
                     // element.
                     check(
-                        &format!("{key} {rows}x{cols} n={n}"),
+                        &format!("{dev}: {key} {rows}x{cols} n={n}"),
                         &got,
                         &want,
                         &mag,
@@ -411,7 +423,7 @@ fn tensor_core_paths_match_within_their_bounds() {
                     // block or scale shows here.
                     let (exact, emag) = mxf4_product(&m, &x, n);
                     check(
-                        &format!("{key} {rows}x{cols} n={n} vs exact MXFP4"),
+                        &format!("{dev}: {key} {rows}x{cols} n={n} vs exact MXFP4"),
                         &got,
                         &exact,
                         &emag,
@@ -563,19 +575,33 @@ fn score_last(model: &str, extra: &[&str], env: &[(&str, &str)]) -> (bool, Strin
 /// The activation variants with every matrix in VRAM: their prefill products
 /// go to the tensor-core kernel of the same numerics (`--bf16-act bf16` and
 /// `--fp8-act bf16`: BF16 mma; `--fp4-act q8`: the INT8 mma, the CPU's
-/// fp4×q8 bit for bit). The logits stay within a small distance of the same
-/// variant on the CPU (the GPU sums the other products in another order) and
-/// at least 90 % of the greedy choices agree.
+/// fp4×q8 bit for bit), and the products that stay on the CUDA cores get the
+/// variant's activations too (`gpu::variant_activations`). So only the
+/// order of the sums differs from the same variant on the CPU: the logits
+/// stay within 10⁻³ of the largest and every greedy choice agrees. (Before
+/// the CUDA-core products took the variant's activations, the emulator
+/// showed them 0.7 apart for `--fp4-act q8` on tiny-dsv4.)
 #[test]
 fn activation_variants_take_the_tensor_cores() {
-    let Some(g) = gpu_or_reason() else { return };
+    let mut devs: Vec<(&gpu::Gpu, Vec<(&str, &str)>)> =
+        vec![(gpu::emulator(), vec![("BESPOKE_CUDA", "emu")])];
+    if let Some(g) = gpu_or_reason() {
+        devs.push((g, vec![]));
+    }
+    for (g, env) in devs {
+        variants_on(g, &env);
+    }
+}
+
+fn variants_on(g: &gpu::Gpu, env: &[(&str, &str)]) {
+    let dev = device_name(g);
     for (model, flag, value, key) in [
         ("tiny-llama", "--bf16-act", "bf16", "mma_bf16"),
         ("tiny-dsv4", "--fp8-act", "bf16", "mma_bf16"),
         ("tiny-dsv4", "--fp4-act", "q8", "mma_int8"),
     ] {
         if !tc_on(g, key) {
-            println!("{flag} {value}: the image has no {key}; not run");
+            println!("{dev}: {flag} {value}: no {key}; not run");
             continue;
         }
         let (ok, cpu, err) = score_last(model, &[flag, value], &[("BESPOKE_CUDA", "off")]);
@@ -586,10 +612,10 @@ fn activation_variants_take_the_tensor_cores() {
             println!("{flag} {value}: not available on this CPU ({err}); not run");
             continue;
         }
-        let (ok, gpu_out, err) = score_last(model, &[flag, value, "--vram", "4"], &[]);
+        let (ok, gpu_out, err) = score_last(model, &[flag, value, "--vram", "4"], env);
         assert!(
             ok && err.contains("CUDA: VRAM tier"),
-            "{model} {flag} {value}: {err}"
+            "{dev}: {model} {flag} {value}: {err}"
         );
         let ((a, lc), (b, lg)) = (last_logits(&cpu), last_logits(&gpu_out));
         let dist = lc
@@ -599,17 +625,18 @@ fn activation_variants_take_the_tensor_cores() {
             .fold(0.0, f64::max);
         let scale = lc.iter().map(|x| x.abs()).fold(0.0, f64::max);
         assert!(
-            dist < 0.02 * scale,
-            "{model} {flag} {value}: GPU moved the logits by {dist} (largest {scale})"
+            dist < 1e-3 * scale,
+            "{dev}: {model} {flag} {value}: moved the logits by {dist} (largest {scale})"
         );
         let same = a.iter().zip(&b).filter(|(x, y)| x == y).count();
-        assert!(
-            same * 10 >= a.len() * 9,
-            "{model} {flag} {value}: {same} of {} greedy choices agree",
+        assert_eq!(
+            same,
+            a.len(),
+            "{dev}: {model} {flag} {value}: {same} of {} greedy choices agree",
             a.len()
         );
         println!(
-            "{model} {flag} {value}: GPU within {dist:.2e} of the CPU, {same}/{} greedy choices",
+            "{dev}: {model} {flag} {value}: within {dist:.2e} of the CPU, {same}/{} greedy choices",
             a.len()
         );
     }

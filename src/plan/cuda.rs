@@ -323,6 +323,11 @@ pub struct TcDecision {
     pub why: String,
 }
 
+/// The tensor-core paths the CPU emulator of the CUDA kernels computes
+/// (`BESPOKE_CUDA=emu`; kernels/bs_cuda_emu.h): the `mma.sync` shapes of the
+/// BF16, INT8 and FP8 kernels.
+pub const EMU_TC: &[&str] = &["mma_bf16", "mma_int8", "mma_fp8"];
+
 /// Decide every tensor-core path for `arch` with toolkit `toolkit`.
 /// `tc_off`: `BESPOKE_CUDA_TC=off`.
 pub fn decide(arch: Arch, toolkit: (u32, u32), tc_off: bool) -> Vec<TcDecision> {
