@@ -23,6 +23,17 @@
 #include <ucontext.h>
 #endif
 
+/* Under AddressSanitizer (BESPOKE_SANITIZE): a fiber stack is heap memory
+ * that instrumented frames poison and unpoison as they come and go; a fiber
+ * abandoned mid-kernel (a failed launch) leaves its poison behind, so each
+ * stack is cleared before it is used again. */
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define BS_EMU_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION(p, n)
+#else
+#define BS_EMU_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
 bs_emu_thread *bs_emu_cur;
 bs_dim3 bs_emu_block, bs_emu_bdim, bs_emu_gdim;
 
@@ -164,6 +175,7 @@ void park(State s)
 
 void prime(Fiber *f)
 {
+    BS_EMU_UNPOISON(f->stack, STACK);
 #if defined(__x86_64__) && defined(__linux__)
     /* The stack as bs_emu_swap leaves it: control words, r15 ... rbp, then
      * the return address (bs_emu_entry) in the top 8 bytes of an aligned top. */

@@ -937,10 +937,11 @@ fn compile_emulator(
     let names = crate::cuda_build::kernel_names(&format!("{src}\n{selftest}"));
     let unit = dir.join("emu.cpp");
     write_if_changed(&unit, &crate::cuda_build::emulator_unit(&cu, &names))?;
+    let sanitize = env_opt("BESPOKE_SANITIZE");
     let mut b = cc::Build::new();
     b.cpp(true)
         .include(root.join("kernels"))
-        .opt_level(2)
+        .opt_level(if sanitize.is_some() { 1 } else { 2 })
         .debug(false)
         .warnings(true)
         .extra_warnings(true)
@@ -953,6 +954,13 @@ fn compile_emulator(
         .flag("-fno-fast-math")
         .file(root.join("kernels/bs_cuda_emu.cpp"))
         .file(&unit);
+    // Under the sanitizers (as the C kernels): the emulated kernels' loads
+    // and stores are host memory accesses, so ASan sees one out of bounds.
+    if let Some(s) = &sanitize {
+        b.flag(format!("-fsanitize={s}"))
+            .flag("-fno-sanitize-recover=all")
+            .flag("-fno-omit-frame-pointer");
+    }
     b.try_compile("bespoke_cuda_emu")
         .map_err(|e| format!("compiling the CUDA emulator: {e}"))?;
     Ok(())
