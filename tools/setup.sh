@@ -7,6 +7,9 @@ set -euo pipefail
 
 need=()
 command -v cc >/dev/null 2>&1 || need+=(gcc)
+# --cuda: the `cuda` feature compiles the CPU emulator of the CUDA kernels as
+# C++ (and nvcc wants a host C++ compiler).
+case " $* " in *" --cuda "*) command -v c++ >/dev/null 2>&1 || need+=(g++) ;; esac
 # bindgen loads libclang at build time.
 # (libclang-cpp, which some images ship alone, is not what bindgen loads.)
 found=$(ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/llvm-*/lib/libclang-[0-9]*.so* \
@@ -16,7 +19,7 @@ if [ -z "$found" ] && [ -z "${LIBCLANG_PATH:-}" ]; then
 fi
 if ((${#need[@]})); then
   if ! command -v apt-get >/dev/null 2>&1; then
-    echo "setup: please install: ${need[*]} (a C compiler and libclang for bindgen)" >&2
+    echo "setup: please install: ${need[*]} (a C compiler, C++ for --cuda, and libclang for bindgen)" >&2
     exit 1
   fi
   sudo=""
