@@ -861,6 +861,16 @@ pub struct Kernels {
     specialised: bool,
 }
 
+/// Where a product goes on the CPU ([`Kernels::route`]): fp4×q8, the
+/// bf16dot / fp8dot kernels, the amx kernels, or the f32 kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    Q8,
+    Dot,
+    Amx,
+    F32,
+}
+
 /// Why a variant was chosen (for `bespoke plan` and the run banner).
 #[derive(Debug, Clone)]
 pub struct Choice {
@@ -1386,6 +1396,21 @@ impl Kernels {
 
     /// Whether products on `format` weights take activations rounded to
     /// BF16 (the bf16dot or fp8dot kernels).
+    /// Which kernels a product of `n` tokens on a `format` matrix takes, by
+    /// the activations its variant gives it (the GPU picks its kernel by the
+    /// same answer, [`Kernels::on_gpu`]).
+    fn route(&self, format: Format, n: usize) -> Route {
+        if self.fp4_act == Fp4Act::Q8 && format == Format::Fp4 {
+            Route::Q8
+        } else if self.dot_act(format) {
+            Route::Dot
+        } else if self.amx_min_tokens(format).is_some_and(|min| n >= min) {
+            Route::Amx
+        } else {
+            Route::F32
+        }
+    }
+
     fn dot_act(&self, format: Format) -> bool {
         match format {
             Format::Bf16 => self.bf16_act == Bf16Act::Bf16,
@@ -1658,13 +1683,10 @@ impl Kernels {
         }
         let specialised = self.mat_kernel(m.format(), m.rows, m.cols).shape.is_some();
         // The activations the CPU would use here pick the GPU kernel.
-        let f = m.format();
-        let act = if self.fp4_act == Fp4Act::Q8 && f == Format::Fp4 {
-            crate::gpu::GpuAct::Q8
-        } else if self.dot_act(f) || self.amx_min_tokens(f).is_some_and(|min| n >= min) {
-            crate::gpu::GpuAct::Bf16
-        } else {
-            crate::gpu::GpuAct::F32
+        let act = match self.route(m.format(), n) {
+            Route::Q8 => crate::gpu::GpuAct::Q8,
+            Route::Dot | Route::Amx => crate::gpu::GpuAct::Bf16,
+            Route::F32 => crate::gpu::GpuAct::F32,
         };
         match crate::gpu::tier::matmul(&d, specialised, x, n, act) {
             Ok(v) => {
@@ -1687,13 +1709,13 @@ impl Kernels {
         if self.on_gpu(m, x, 1, y).is_some() {
             return Ok(());
         }
-        if self.fp4_act == Fp4Act::Q8 && m.format() == Format::Fp4 {
-            return self.matmul_q8(m, x, 1, y);
+        match self.route(m.format(), 1) {
+            Route::Q8 => self.matmul_q8(m, x, 1, y),
+            Route::Dot => self.matmul_bf16dot(m, x, 1, y),
+            Route::Amx | Route::F32 => {
+                self.matvec_with(self.mat_kernel(m.format(), m.rows, m.cols), m, x, y)
+            }
         }
-        if self.dot_act(m.format()) {
-            return self.matmul_bf16dot(m, x, 1, y);
-        }
-        self.matvec_with(self.mat_kernel(m.format(), m.rows, m.cols), m, x, y)
     }
 
     /// `Y[n][rows] = W X[n][cols]`, X and Y row-major by token.
@@ -1708,16 +1730,12 @@ impl Kernels {
         if self.on_gpu(m, x, n, y).is_some() {
             return Ok(());
         }
-        if self.fp4_act == Fp4Act::Q8 && m.format() == Format::Fp4 {
-            return self.matmul_q8(m, x, n, y);
+        match self.route(m.format(), n) {
+            Route::Q8 => self.matmul_q8(m, x, n, y),
+            Route::Dot => self.matmul_bf16dot(m, x, n, y),
+            Route::Amx => self.matmul_amx(m, x, n, y),
+            Route::F32 => self.matmul_with(self.mat_kernel(m.format(), m.rows, m.cols), m, x, n, y),
         }
-        if self.dot_act(m.format()) {
-            return self.matmul_bf16dot(m, x, n, y);
-        }
-        if self.amx_min_tokens(m.format()).is_some_and(|min| n >= min) {
-            return self.matmul_amx(m, x, n, y);
-        }
-        self.matmul_with(self.mat_kernel(m.format(), m.rows, m.cols), m, x, n, y)
     }
 
     fn check_kernel(&self, k: &MatKernel, m: &Matrix) -> Result<(), KernelError> {
