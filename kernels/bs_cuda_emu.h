@@ -162,7 +162,15 @@ static inline void bs_emu_fragments(const uint32_t *all, double A[16][32], doubl
     }
 }
 
-template <int E, class Dec> static inline void bs_emu_mma_f32(float c[4], const uint32_t a[4], const uint32_t b[2], Dec dec)
+/* The accumulator's result: f32 rounded once; s32 exact (every sum of
+ * 8-bit products and an s32 is an integer a double holds) and wrapping. */
+static inline void bs_emu_store(float *c, double sum) { *c = (float)sum; }
+static inline void bs_emu_store(int *c, double sum) { *c = (int)(uint32_t)(uint64_t)(int64_t)sum; }
+
+/* D = A B + C for one warp: every lane's fragments gathered, each lane's
+ * four outputs computed from them. */
+template <int E, class C, class Dec>
+static inline void bs_emu_mma(C c[4], const uint32_t a[4], const uint32_t b[2], Dec dec)
 {
     const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
     uint32_t all[32 * 6];
@@ -172,36 +180,25 @@ template <int E, class Dec> static inline void bs_emu_mma_f32(float c[4], const 
     const int lane = bs_emu_lane(), g = lane >> 2, t = lane & 3;
     for (int i = 0; i < 4; ++i) {
         const int r = g + (i >> 1) * 8, col = 2 * t + (i & 1);
-        double sum = c[i];
+        double sum = (double)c[i];
         for (int k = 0; k < 8 * E; ++k) sum += A[r][k] * B[k][col];
-        c[i] = (float)sum;
+        bs_emu_store(&c[i], sum);
     }
 }
 
 static inline void bs_emu_mma_bf16(float c[4], const uint32_t a[4], const uint32_t b[2])
 {
-    bs_emu_mma_f32<2>(c, a, b, [](uint32_t h) { return (double)__uint_as_float(h << 16); });
+    bs_emu_mma<2>(c, a, b, [](uint32_t h) { return (double)__uint_as_float(h << 16); });
 }
 
 static inline void bs_emu_mma_e4m3(float c[4], const uint32_t a[4], const uint32_t b[2])
 {
-    bs_emu_mma_f32<4>(c, a, b, bs_emu_e4m3);
+    bs_emu_mma<4>(c, a, b, bs_emu_e4m3);
 }
 
 static inline void bs_emu_mma_s8(int c[4], const uint32_t a[4], const uint32_t b[2])
 {
-    const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
-    uint32_t all[32 * 6];
-    bs_emu_warp_gather(mine, 6, all);
-    double A[16][32], B[32][8];
-    bs_emu_fragments<4>(all, A, B, [](uint32_t v) { return (double)(int8_t)(uint8_t)v; });
-    const int lane = bs_emu_lane(), g = lane >> 2, t = lane & 3;
-    for (int i = 0; i < 4; ++i) {
-        const int r = g + (i >> 1) * 8, col = 2 * t + (i & 1);
-        int64_t sum = c[i];
-        for (int k = 0; k < 32; ++k) sum += (int64_t)A[r][k] * (int64_t)B[k][col];
-        c[i] = (int)(uint32_t)(uint64_t)sum; /* s32 accumulation wraps */
-    }
+    bs_emu_mma<4>(c, a, b, [](uint32_t v) { return (double)(int8_t)(uint8_t)v; });
 }
 
 /* A kernel called with the driver's argument convention: args[i] points at
