@@ -287,7 +287,7 @@ uint32_t *bs_emu_shfl_slot(int src)
  * by parity like the shuffles). */
 void bs_emu_warp_gather(const uint32_t *mine, int words, uint32_t *all)
 {
-    if (words > GATHER_WORDS) abort(); /* the emulator's own mma callers give 6 */
+    if (words > GATHER_WORDS) abort(); /* the emulator's own mma callers give 6 or 8 */
     Fiber *f = emu.cur;
     uint32_t *buf = &emu.gather[((size_t)f->warp * 2 + (f->gather_n & 1)) * 32 * GATHER_WORDS];
     memcpy(buf + (size_t)f->lane * GATHER_WORDS, mine, sizeof(uint32_t) * (size_t)words);

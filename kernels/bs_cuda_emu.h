@@ -6,10 +6,12 @@
  * block or warp (kernels/bs_cuda_emu.cpp runs a block's threads as fibers,
  * one at a time, switching at these points).
  *
- * What it does not emulate: tensor-core instructions (the rendered source
- * has every tensor-core path compiled out), the memory model beyond "every
- * thread sees every write made before the last barrier", and nvcc's code
- * generation. */
+ * The tensor-core paths it computes (the mma.sync of plan::cuda::EMU_TC:
+ * BF16, INT8, FP8 and block-scaled MXFP4) follow the PTX ISA's fragment
+ * layouts; the others are compiled out of its rendering. What it does not
+ * emulate: wgmma and tcgen05, the tensor cores' own summation order, the
+ * memory model beyond "every thread sees every write made before the last
+ * barrier", and nvcc's code generation. */
 #ifndef BS_CUDA_EMU_H
 #define BS_CUDA_EMU_H
 #include <math.h>
@@ -117,12 +119,12 @@ static inline void __syncwarp(unsigned mask = 0xFFFFFFFFu)
 }
 
 /* The tensor-core mma.sync shapes the kernels use, computed from the whole
- * warp's fragments (the PTX ISA's layouts for m16n8k16 .bf16 and m16n8k32
- * 8-bit types, with g = lane / 4 and t = lane % 4):
+ * warp's fragments (the PTX ISA's layouts for m16n8k16 .bf16, m16n8k32
+ * 8-bit types and m16n8k64 .e2m1, with g = lane / 4 and t = lane % 4):
  *   A (16 x K, row-major): register 0 holds row g, register 1 row g + 8,
  *     registers 2 and 3 the same rows K/2 columns on; within a register the
  *     columns E t .. E t + E - 1, low bits first (E values per register: 2
- *     for BF16, 4 for 8-bit types);
+ *     for BF16, 4 for 8-bit types, 8 for E2M1);
  *   B (K x 8): register 0 holds column g's rows E t .., register 1 the
  *     same K/2 rows on;
  *   C, D (16 x 8): rows g (c[0], c[1]) and g + 8 (c[2], c[3]), columns 2t
@@ -141,14 +143,15 @@ static inline double bs_emu_e4m3(uint32_t b)
     return sign * (e ? ldexp(1.0 + m / 8.0, e - 7) : ldexp((double)m, -9));
 }
 
-/* E-valued fragments as doubles: A[16][K], B[K][8]. */
+/* E-valued fragments as doubles: A[16][K], B[K][8], from the gathered
+ * registers (`words` a lane, the first six a0..a3, b0, b1). */
 template <int E, class Dec>
-static inline void bs_emu_fragments(const uint32_t *all, double A[16][32], double B[32][8], Dec dec)
+static inline void bs_emu_fragments(const uint32_t *all, int words, double A[16][64], double B[64][8], Dec dec)
 {
     const int K = 8 * E, bits = 32 / E;
     for (int l = 0; l < 32; ++l) {
         const int g = l >> 2, t = l & 3;
-        const uint32_t *f = all + 6 * l;
+        const uint32_t *f = all + words * l;
         for (int h = 0; h < E; ++h) {
             const int sh = bits * h;
             const uint32_t mask = bits == 32 ? 0xFFFFFFFFu : ((1u << bits) - 1u);
@@ -167,6 +170,19 @@ static inline void bs_emu_fragments(const uint32_t *all, double A[16][32], doubl
 static inline void bs_emu_store(float *c, double sum) { *c = (float)sum; }
 static inline void bs_emu_store(int *c, double sum) { *c = (int)(uint32_t)(uint64_t)(int64_t)sum; }
 
+/* This lane's four outputs of D = A B + C (K columns of A). */
+template <class C>
+static inline void bs_emu_accumulate(C c[4], const double A[16][64], const double B[64][8], int K)
+{
+    const int lane = bs_emu_lane(), g = lane >> 2, t = lane & 3;
+    for (int i = 0; i < 4; ++i) {
+        const int r = g + (i >> 1) * 8, col = 2 * t + (i & 1);
+        double sum = (double)c[i];
+        for (int k = 0; k < K; ++k) sum += A[r][k] * B[k][col];
+        bs_emu_store(&c[i], sum);
+    }
+}
+
 /* D = A B + C for one warp: every lane's fragments gathered, each lane's
  * four outputs computed from them. */
 template <int E, class C, class Dec>
@@ -175,15 +191,9 @@ static inline void bs_emu_mma(C c[4], const uint32_t a[4], const uint32_t b[2], 
     const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
     uint32_t all[32 * 6];
     bs_emu_warp_gather(mine, 6, all);
-    double A[16][32], B[32][8];
-    bs_emu_fragments<E>(all, A, B, dec);
-    const int lane = bs_emu_lane(), g = lane >> 2, t = lane & 3;
-    for (int i = 0; i < 4; ++i) {
-        const int r = g + (i >> 1) * 8, col = 2 * t + (i & 1);
-        double sum = (double)c[i];
-        for (int k = 0; k < 8 * E; ++k) sum += A[r][k] * B[k][col];
-        bs_emu_store(&c[i], sum);
-    }
+    double A[16][64], B[64][8];
+    bs_emu_fragments<E>(all, 6, A, B, dec);
+    bs_emu_accumulate(c, A, B, 8 * E);
 }
 
 static inline void bs_emu_mma_bf16(float c[4], const uint32_t a[4], const uint32_t b[2])
@@ -199,6 +209,45 @@ static inline void bs_emu_mma_e4m3(float c[4], const uint32_t a[4], const uint32
 static inline void bs_emu_mma_s8(int c[4], const uint32_t a[4], const uint32_t b[2])
 {
     bs_emu_mma<4>(c, a, b, [](uint32_t v) { return (double)(int8_t)(uint8_t)v; });
+}
+
+/* E2M1: sign, two exponent bits (bias 1), one mantissa bit; 0.5 is the
+ * subnormal. */
+static inline double bs_emu_e2m1(uint32_t c)
+{
+    static const double mag[8] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0};
+    return (c & 8u) ? -mag[c & 7u] : mag[c & 7u];
+}
+
+/* UE8M0: 2^(e - 127), 0xFF NaN. */
+static inline double bs_emu_ue8m0(uint32_t e)
+{
+    return e == 255u ? NAN : ldexp(1.0, (int)e - 127);
+}
+
+/* mma.sync m16n8k64 kind::mxf4.block_scale.scale_vec::2X with the scale
+ * selectors {byte-id, thread-id} = {0, 0}, as bs_tc_mxf4_fp4 issues it:
+ * D = (A · SA) (B · SB) + C. Each row of A and column of B has two UE8M0
+ * scales, byte 0 for K 0..31 and byte 1 for K 32..63 of the scale register;
+ * row m's comes from lane 4 (m % 8) + m / 8 (the quad's thread 0 for rows
+ * 0..7, thread 1 for rows 8..15), column n's from lane 4 n, and the other
+ * lanes' scale registers are not read. */
+static inline void bs_emu_mma_mxf4(float c[4], const uint32_t a[4], const uint32_t b[2], uint32_t sa, uint32_t sb)
+{
+    const uint32_t mine[8] = {a[0], a[1], a[2], a[3], b[0], b[1], sa, sb};
+    uint32_t all[32 * 8];
+    bs_emu_warp_gather(mine, 8, all);
+    double A[16][64], B[64][8];
+    bs_emu_fragments<8>(all, 8, A, B, bs_emu_e2m1);
+    for (int m = 0; m < 16; ++m) {
+        const uint32_t s = all[8 * (4 * (m % 8) + m / 8) + 6];
+        for (int k = 0; k < 64; ++k) A[m][k] *= bs_emu_ue8m0((s >> (8 * (k / 32))) & 0xFFu);
+    }
+    for (int n = 0; n < 8; ++n) {
+        const uint32_t s = all[8 * (4 * n) + 7];
+        for (int k = 0; k < 64; ++k) B[k][n] *= bs_emu_ue8m0((s >> (8 * (k / 32))) & 0xFFu);
+    }
+    bs_emu_accumulate(c, A, B, 64);
 }
 
 /* A kernel called with the driver's argument convention: args[i] points at
