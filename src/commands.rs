@@ -221,10 +221,12 @@ pub struct NumericsArgs {
     /// differs). Needs AMX-BF16, as `--bf16-act amx` does.
     #[arg(long, value_name = "ACT", value_enum, default_value_t = crate::bf16act::Bf16Act::F32)]
     pub fp8_act: crate::bf16act::Bf16Act,
-    /// `cuda` builds with a GPU: the VRAM budget in GiB for the weights put
-    /// on the GPU (dense matrices first, then the most used routed experts of
-    /// each layer, counted in `<model>/.bespoke/expert-usage.json`). Default:
-    /// the GPU's free memory less 1 GiB. 0 keeps every weight on the CPU.
+    /// `cuda` builds with a GPU: the VRAM budget in GiB for what is put on
+    /// the GPU: dense matrices first; then, for Llama-family models, room for
+    /// the KV cache of one sequence of up to 4096 tokens, whose attention
+    /// then runs on the GPU; then the most used routed experts of each
+    /// layer, counted in `<model>/.bespoke/expert-usage.json`. Default: the
+    /// GPU's free memory less 1 GiB. 0 keeps everything on the CPU.
     /// Products on the GPU take f32 activations on the CUDA cores; under
     /// --bf16-act, --fp8-act or --fp4-act other than f32, a prefill product
     /// (2 tokens or more) takes the tensor cores of the same numerics (BF16

@@ -86,6 +86,17 @@ pub enum AnyCache {
     Dsv4(crate::engine::dsv4::Dsv4Cache),
 }
 
+impl AnyCache {
+    /// Whether this sequence's attention runs on the GPU (a VRAM tier whose
+    /// KV reservation holds its cache; Llama-family engines only).
+    pub fn attention_on_gpu(&self) -> bool {
+        match self {
+            AnyCache::Llama(c) => c.attention_on_gpu(),
+            AnyCache::Dsv4(_) => false,
+        }
+    }
+}
+
 impl<'m> AnyModel<'m> {
     /// The engine for `model`'s family.
     pub fn load(
@@ -105,6 +116,16 @@ impl<'m> AnyModel<'m> {
         match self {
             AnyModel::Llama(m) => m.weights_in_place(),
             AnyModel::Dsv4(m) => m.weights_in_place(),
+        }
+    }
+
+    /// What attention on the GPU needs of this model, or None where its
+    /// engine keeps attention on the CPU (DeepSeek V4, whose keys are chosen
+    /// per query from compressed and indexed entries).
+    pub fn gpu_attention(&self) -> Option<crate::gpu::GpuAttention> {
+        match self {
+            AnyModel::Llama(m) => Some(m.gpu_attention()),
+            AnyModel::Dsv4(_) => None,
         }
     }
 

@@ -222,11 +222,242 @@ mod imp {
         pub total_mem: usize,
     }
 
+    /// A sequence's KV cache mirrored in device memory, so that attention
+    /// runs where its keys are: per layer, keys and values position-major
+    /// (`capacity` rows of n_kv_heads × head_dim floats), appended as the
+    /// engine appends to its own cache, and one call's query, output and
+    /// score buffers. Its bytes come out of the VRAM tier's KV reservation
+    /// ([`crate::placement`]) and go back when it is dropped.
+    pub struct KvMirror {
+        g: &'static Gpu,
+        k: Vec<DevBuf<f32>>,
+        v: Vec<DevBuf<f32>>,
+        q: DevBuf<f32>,
+        out: DevBuf<f32>,
+        scratch: DevBuf<f32>,
+        kernel: String,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+        tier: u32,
+        bytes: u64,
+    }
+
+    impl KvMirror {
+        /// Device bytes a mirror of `layers` layers for `capacity` positions takes.
+        pub fn bytes_for(
+            layers: usize,
+            n_heads: usize,
+            n_kv_heads: usize,
+            head_dim: usize,
+            capacity: usize,
+        ) -> u64 {
+            let w = (n_kv_heads * head_dim) as u64;
+            4 * (2 * layers as u64 * capacity as u64 * w
+                + 2 * (n_heads * head_dim) as u64
+                + n_heads as u64 * capacity.max(1) as u64)
+        }
+
+        /// A mirror on the GPU of VRAM tier `tier`. `specialised`: the build
+        /// has an attention kernel for these shapes. Err: no GPU, sizes the
+        /// kernel cannot take, the tier's KV reservation too small, or out
+        /// of memory (the caller keeps attention on the CPU).
+        pub fn new(
+            tier: u32,
+            layers: usize,
+            n_heads: usize,
+            n_kv_heads: usize,
+            head_dim: usize,
+            capacity: usize,
+            specialised: bool,
+        ) -> Result<KvMirror, String> {
+            let g = gpu().map_err(str::to_string)?;
+            let w = n_kv_heads * head_dim;
+            if layers == 0
+                || capacity == 0
+                || head_dim == 0
+                || n_kv_heads == 0
+                || n_heads % n_kv_heads != 0
+            {
+                return Err(format!(
+                    "attention on the GPU: {layers} layers, {capacity} positions, {n_heads} heads over {n_kv_heads} KV heads of {head_dim}"
+                ));
+            }
+            if [
+                capacity.checked_mul(w),
+                n_heads.checked_mul(capacity),
+                n_heads.checked_mul(head_dim),
+            ]
+            .iter()
+            .any(|v| v.map_or(true, |v| v > i32::MAX as usize))
+            {
+                return Err("attention on the GPU: the kernel takes sizes below 2^31".into());
+            }
+            let bytes = Self::bytes_for(layers, n_heads, n_kv_heads, head_dim, capacity);
+            tier::take_kv(tier, bytes)?;
+            let alloc = || -> Result<_, String> {
+                let mut k = Vec::with_capacity(layers);
+                let mut v = Vec::with_capacity(layers);
+                for _ in 0..layers {
+                    k.push(g.zeros::<f32>(capacity * w)?);
+                    v.push(g.zeros::<f32>(capacity * w)?);
+                }
+                Ok((
+                    k,
+                    v,
+                    g.zeros::<f32>(n_heads * head_dim)?,
+                    g.zeros::<f32>(n_heads * head_dim)?,
+                    g.zeros::<f32>(n_heads * capacity)?,
+                ))
+            };
+            let (k, v, q, out, scratch) = alloc().inspect_err(|_| tier::give_kv(tier, bytes))?;
+            let kernel = if specialised {
+                format!("bs_cu_attn_decode_d{head_dim}_h{n_heads}_kv{n_kv_heads}")
+            } else {
+                "bs_cu_attn_decode".to_string()
+            };
+            Ok(KvMirror {
+                g,
+                k,
+                v,
+                q,
+                out,
+                scratch,
+                kernel,
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                capacity,
+                tier,
+                bytes,
+            })
+        }
+
+        /// Positions it holds room for.
+        pub fn capacity(&self) -> usize {
+            self.capacity
+        }
+
+        /// Write positions pos0.. of layer `layer`: `k` and `v` hold whole
+        /// rows of n_kv_heads × head_dim floats, position-major.
+        pub fn append(
+            &mut self,
+            layer: usize,
+            pos0: usize,
+            k: &[f32],
+            v: &[f32],
+        ) -> Result<(), String> {
+            let w = self.n_kv_heads * self.head_dim;
+            let n = k.len() / w;
+            if layer >= self.k.len()
+                || k.len() != v.len()
+                || k.len() % w != 0
+                || pos0 + n > self.capacity
+            {
+                return Err(format!(
+                    "KV mirror: layer {layer} of {}, {} / {} floats at position {pos0} (rows of {w}, room for {})",
+                    self.k.len(),
+                    k.len(),
+                    v.len(),
+                    self.capacity
+                ));
+            }
+            self.g.htod_into(k, &mut self.k[layer], pos0 * w)?;
+            self.g.htod_into(v, &mut self.v[layer], pos0 * w)
+        }
+
+        /// Attention of one query `q` [n_heads, head_dim] over positions
+        /// 0..t_len of layer `layer` into `out` (no sinks, no window).
+        pub fn attend(
+            &mut self,
+            layer: usize,
+            q: &[f32],
+            t_len: usize,
+            scale: f32,
+            out: &mut [f32],
+        ) -> Result<(), String> {
+            let hw = self.n_heads * self.head_dim;
+            if layer >= self.k.len()
+                || q.len() != hw
+                || out.len() != hw
+                || t_len == 0
+                || t_len > self.capacity
+            {
+                return Err(format!(
+                    "KV mirror: layer {layer} of {}, q {} and out {} (want {hw}), {t_len} positions of {}",
+                    self.k.len(),
+                    q.len(),
+                    out.len(),
+                    self.capacity
+                ));
+            }
+            self.g.htod_into(q, &mut self.q, 0)?;
+            let geo = AttnGeo {
+                n_heads: self.n_heads,
+                n_kv_heads: self.n_kv_heads,
+                head_dim: self.head_dim,
+                kv_stride: self.n_kv_heads * self.head_dim,
+                t_len,
+                window: 0,
+                scale,
+            };
+            // Checked: q and out hold n_heads × head_dim, k and v capacity ≥
+            // t_len rows of kv_stride, scratch n_heads × capacity, every size
+            // below 2^31 (new).
+            self.g.attn_launch(
+                &self.kernel,
+                &self.q,
+                &self.k[layer],
+                &self.v[layer],
+                None,
+                &mut self.out,
+                &mut self.scratch,
+                geo,
+            )?;
+            out.copy_from_slice(&self.g.dtoh(&self.out)?);
+            Ok(())
+        }
+    }
+
+    impl Drop for KvMirror {
+        fn drop(&mut self) {
+            tier::give_kv(self.tier, self.bytes);
+        }
+    }
+
     /// Device memory: the driver's, or the emulator's host memory.
     pub struct DevBuf<T: DeviceRepr>(Buf<T>);
     enum Buf<T: DeviceRepr> {
         Cuda(CudaSlice<T>),
         Host(Vec<T>),
+    }
+
+    impl<T: DeviceRepr> DevBuf<T> {
+        /// Elements it holds.
+        pub fn len(&self) -> usize {
+            match &self.0 {
+                Buf::Cuda(s) => s.len(),
+                Buf::Host(v) => v.len(),
+            }
+        }
+
+        pub fn is_empty(&self) -> bool {
+            self.len() == 0
+        }
+    }
+
+    /// An attention call's geometry (the kernel's integer and scale
+    /// parameters).
+    #[derive(Clone, Copy)]
+    struct AttnGeo {
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        kv_stride: usize,
+        t_len: usize,
+        window: usize,
+        scale: f32,
     }
 
     /// One kernel argument, as the driver takes them.
@@ -839,35 +1070,105 @@ mod imp {
             }
             let up = |s: &[f32]| self.htod(s, "copying to the GPU");
             let (qd, kd, vd) = (up(q)?, up(k)?, up(v)?);
-            let sd = up(sinks.unwrap_or(&[0.0]))?;
+            let sd = match sinks {
+                Some(s) => Some(up(s)?),
+                None => None,
+            };
             let mut out = self.zeros::<f32>(n_heads * head_dim)?;
             let mut scratch = self.zeros::<f32>((n_heads * t_len).max(1))?;
+            let geo = AttnGeo {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                kv_stride,
+                t_len,
+                window,
+                scale,
+            };
+            // Checked above: q, k, v, sinks hold what the geometry reads.
+            self.attn_launch(
+                kernel,
+                &qd,
+                &kd,
+                &vd,
+                sd.as_ref(),
+                &mut out,
+                &mut scratch,
+                geo,
+            )?;
+            self.dtoh(&out)
+        }
+
+        /// Launch an attention kernel on device buffers. The caller has
+        /// checked that q holds n_heads × head_dim floats, k and v t_len rows
+        /// of kv_stride ≥ n_kv_heads × head_dim floats, sinks (if any)
+        /// n_heads, out n_heads × head_dim and scratch n_heads × t_len, and
+        /// that every size is below 2^31.
+        #[allow(clippy::too_many_arguments)]
+        fn attn_launch(
+            &self,
+            kernel: &str,
+            q: &DevBuf<f32>,
+            k: &DevBuf<f32>,
+            v: &DevBuf<f32>,
+            sinks: Option<&DevBuf<f32>>,
+            out: &mut DevBuf<f32>,
+            scratch: &mut DevBuf<f32>,
+            a: AttnGeo,
+        ) -> Result<(), String> {
             let cfg = LaunchConfig {
-                grid_dim: (n_heads as u32, 1, 1),
+                grid_dim: (a.n_heads as u32, 1, 1),
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // The arguments of bs_cu_attn_decode*; q, k, v hold what the
-            // shapes say (checked above), sinks is n_heads long or a null
-            // pointer, out and scratch are sized above.
+            // The parameters of bs_cu_attn_decode* in order.
             let mut args = vec![
-                Arg::F32(&qd),
-                Arg::F32(&kd),
-                Arg::F32(&vd),
-                if sinks.is_some() {
-                    Arg::F32(&sd)
-                } else {
-                    Arg::Null
+                Arg::F32(q),
+                Arg::F32(k),
+                Arg::F32(v),
+                match sinks {
+                    Some(s) => Arg::F32(s),
+                    None => Arg::Null,
                 },
-                Arg::F32Out(&mut out),
-                Arg::F32Out(&mut scratch),
+                Arg::F32Out(out),
+                Arg::F32Out(scratch),
             ];
-            for i in [n_heads, n_kv_heads, head_dim, kv_stride, t_len, window] {
+            for i in [
+                a.n_heads,
+                a.n_kv_heads,
+                a.head_dim,
+                a.kv_stride,
+                a.t_len,
+                a.window,
+            ] {
                 args.push(Arg::I32(i as i32));
             }
-            args.push(Arg::F32Val(scale));
-            self.run(kernel, cfg, &mut args)?;
-            self.dtoh(&out)
+            args.push(Arg::F32Val(a.scale));
+            self.run(kernel, cfg, &mut args)
+        }
+
+        /// Copy `src` into `dst` from element `at` on.
+        fn htod_into(&self, src: &[f32], dst: &mut DevBuf<f32>, at: usize) -> Result<(), String> {
+            let end = at
+                .checked_add(src.len())
+                .filter(|&e| e <= dst.len())
+                .ok_or_else(|| {
+                    format!(
+                        "copying {} floats to the GPU at {at}: the buffer holds {}",
+                        src.len(),
+                        dst.len()
+                    )
+                })?;
+            match (&self.dev, &mut dst.0) {
+                (Dev::Cuda { stream, .. }, Buf::Cuda(d)) => stream
+                    .memcpy_htod(src, &mut d.slice_mut(at..end))
+                    .map_err(derr("copying to the GPU")),
+                (Dev::Emu, Buf::Host(d)) => {
+                    d[at..end].copy_from_slice(src);
+                    Ok(())
+                }
+                _ => Err("a buffer of another device".into()),
+            }
         }
 
         /// Free device memory now.
@@ -891,7 +1192,7 @@ mod imp {
 }
 
 #[cfg(feature = "cuda")]
-pub use imp::{emulator, emulator_selftest, gpu, DevBuf, DevMat, Gpu};
+pub use imp::{emulator, emulator_selftest, gpu, DevBuf, DevMat, Gpu, KvMirror};
 
 /// The VRAM tier: matrices made resident on the GPU, found again by the
 /// address and length of their weight bytes (the model's memory map, which
@@ -909,6 +1210,8 @@ pub mod tier {
     struct Tiers {
         next: u32,
         map: HashMap<Key, Arc<DevMat>>,
+        /// Per tier: bytes reserved for KV mirrors, and how many are free.
+        kv: HashMap<u32, (u64, u64)>,
     }
 
     fn tiers() -> &'static Mutex<Tiers> {
@@ -917,6 +1220,7 @@ pub mod tier {
             Mutex::new(Tiers {
                 next: 1,
                 map: HashMap::new(),
+                kv: HashMap::new(),
             })
         })
     }
@@ -941,6 +1245,43 @@ pub mod tier {
     pub fn release(id: u32) {
         let mut t = tiers().lock().unwrap_or_else(|e| e.into_inner());
         t.map.retain(|k, _| k.0 != id);
+        t.kv.remove(&id);
+    }
+
+    /// Set aside `bytes` of tier `id`'s budget for the KV caches that
+    /// attention on the GPU keeps ([`KvMirror`]).
+    pub fn reserve_kv(id: u32, bytes: u64) {
+        let mut t = tiers().lock().unwrap_or_else(|e| e.into_inner());
+        t.kv.insert(id, (bytes, bytes));
+    }
+
+    /// Bytes tier `id` set aside for KV mirrors, and how many are free.
+    pub fn kv_reserved(id: u32) -> (u64, u64) {
+        let t = tiers().lock().unwrap_or_else(|e| e.into_inner());
+        t.kv.get(&id).copied().unwrap_or((0, 0))
+    }
+
+    pub(super) fn take_kv(id: u32, bytes: u64) -> Result<(), String> {
+        let mut t = tiers().lock().unwrap_or_else(|e| e.into_inner());
+        let (all, free) = t.kv.get(&id).copied().unwrap_or((0, 0));
+        if bytes > free {
+            let h = crate::inspect::human_bytes;
+            return Err(format!(
+                "its KV cache needs {} of VRAM and the tier's reservation has {} free (of {})",
+                h(bytes),
+                h(free),
+                h(all)
+            ));
+        }
+        t.kv.insert(id, (all, free - bytes));
+        Ok(())
+    }
+
+    pub(super) fn give_kv(id: u32, bytes: u64) {
+        let mut t = tiers().lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((all, free)) = t.kv.get_mut(&id) {
+            *free = (*free + bytes).min(*all);
+        }
     }
 
     /// Copy `m` to the GPU into `tier` (once). Err: no GPU, or out of memory.
@@ -1042,6 +1383,66 @@ pub fn status_line() -> String {
     }
 }
 
+/// The longest sequence whose KV cache the VRAM tier sets room aside for
+/// (attention on the GPU); a longer one keeps its attention on the CPU.
+pub const GPU_KV_TOKENS: usize = 4096;
+
+/// What attention on the GPU needs to know of a model: its layers, heads
+/// and context length.
+#[derive(Debug, Clone, Copy)]
+pub struct GpuAttention {
+    pub layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub context: usize,
+}
+
+/// Without the `cuda` feature there is no GPU to keep a KV cache on: no
+/// value of this type exists.
+#[cfg(not(feature = "cuda"))]
+pub enum KvMirror {}
+
+#[cfg(not(feature = "cuda"))]
+impl KvMirror {
+    pub fn new(
+        _tier: u32,
+        _layers: usize,
+        _n_heads: usize,
+        _n_kv_heads: usize,
+        _head_dim: usize,
+        _capacity: usize,
+        _specialised: bool,
+    ) -> Result<KvMirror, String> {
+        Err("not built with CUDA".into())
+    }
+
+    pub fn capacity(&self) -> usize {
+        match *self {}
+    }
+
+    pub fn append(
+        &mut self,
+        _layer: usize,
+        _pos0: usize,
+        _k: &[f32],
+        _v: &[f32],
+    ) -> Result<(), String> {
+        match *self {}
+    }
+
+    pub fn attend(
+        &mut self,
+        _layer: usize,
+        _q: &[f32],
+        _t_len: usize,
+        _scale: f32,
+        _out: &mut [f32],
+    ) -> Result<(), String> {
+        match *self {}
+    }
+}
+
 /// Put the model's weights in the VRAM tier ([`crate::placement`]): Ok(None)
 /// when there is no GPU (the status line already said why) and no budget was
 /// asked for; Ok(Some(line)) says what went where.
@@ -1062,10 +1463,28 @@ pub fn place_model(
             None => free.saturating_sub(1 << 30),
         };
         let id = tier::new_tier();
+        // Attention on the GPU (models whose engine can take it) keeps its
+        // KV cache there: room for one sequence of up to GPU_KV_TOKENS
+        // positions is set aside after the dense matrices.
+        let kv_geo = eng.gpu_attention();
+        let kv_reserve = kv_geo.map_or(0, |a| {
+            KvMirror::bytes_for(
+                a.layers,
+                a.n_heads,
+                a.n_kv_heads,
+                a.head_dim,
+                a.context.min(GPU_KV_TOKENS),
+            )
+        });
         let p = {
             let items = eng.placement_items();
             let only: Vec<crate::placement::Item> = items.iter().map(|(i, _)| i.clone()).collect();
-            let p = crate::placement::place(&only, &eng.usage().snapshot(), budget.min(free));
+            let p = crate::placement::place(
+                &only,
+                &eng.usage().snapshot(),
+                budget.min(free),
+                kv_reserve,
+            );
             let upload = || -> Result<(), String> {
                 for ((_, mats), on) in items.iter().zip(&p.on_gpu) {
                     if *on {
@@ -1083,12 +1502,25 @@ pub fn place_model(
             }
             p
         };
+        tier::reserve_kv(id, p.kv);
         eng.set_tier(id);
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let attention = match kv_geo {
+            None => "attention on the CPU (this model's attention has no GPU path)".to_string(),
+            Some(a) if p.kv > 0 => format!(
+                "attention on the GPU for sequences of up to {} tokens ({} set aside for their KV cache)",
+                a.context.min(GPU_KV_TOKENS),
+                crate::inspect::human_bytes(p.kv)
+            ),
+            Some(a) => format!(
+                "attention on the CPU (its KV cache for {} tokens, {}, does not fit after the dense matrices)",
+                a.context.min(GPU_KV_TOKENS),
+                crate::inspect::human_bytes(kv_reserve)
+            ),
+        };
         Ok(Some(format!(
-            "CUDA: VRAM tier {:.2} GiB of a {:.2} GiB budget: {} of {} dense matrices, {} of {} routed experts (most used first per layer); the rest on the CPU",
-            gib(tier::bytes(id)),
-            gib(budget),
+            "CUDA: VRAM tier {} of a {} budget: {} of {} dense matrices, {} of {} routed experts (most used first per layer); {attention}; the rest on the CPU",
+            crate::inspect::human_bytes(tier::bytes(id)),
+            crate::inspect::human_bytes(budget),
             p.dense.0,
             p.dense.1,
             p.experts.0,

@@ -185,12 +185,18 @@ pub struct Placement {
     pub on_gpu: Vec<bool>,
     pub dense: (usize, usize),
     pub experts: (usize, usize),
+    /// Bytes of items placed.
     pub bytes: u64,
+    /// Bytes set aside for the KV cache (attention on the GPU): the
+    /// reservation asked for, or 0 where it did not fit after the dense items.
+    pub kv: u64,
 }
 
-/// Fill `budget` bytes: dense items in order, then experts by rank within
-/// their layer (ties: lower expert index), round by round across layers.
-pub fn place(items: &[Item], counts: &[Vec<u64>], budget: u64) -> Placement {
+/// Fill `budget` bytes: dense items in order, then `kv_reserve` bytes for the
+/// KV cache that attention on the GPU keeps (where they fit), then experts
+/// by rank within their layer (ties: lower expert index), round by round
+/// across layers.
+pub fn place(items: &[Item], counts: &[Vec<u64>], budget: u64, kv_reserve: u64) -> Placement {
     let mut p = Placement {
         on_gpu: vec![false; items.len()],
         ..Placement::default()
@@ -214,6 +220,10 @@ pub fn place(items: &[Item], counts: &[Vec<u64>], budget: u64) -> Placement {
                 p.dense.0 += 1;
             }
         }
+    }
+    if kv_reserve > 0 && kv_reserve <= left {
+        left -= kv_reserve;
+        p.kv = kv_reserve;
     }
     // Per layer: its expert items, hottest first.
     let mut by_layer: std::collections::BTreeMap<usize, Vec<(u64, usize, usize)>> =
@@ -276,17 +286,25 @@ mod tests {
         ];
         let counts = vec![vec![1, 9, 5], vec![7, 2]];
         // 30 + 50 dense, then 40 for experts: L0 e1, L1 e0, L0 e2, L1 e1.
-        let p = place(&items, &counts, 120);
+        let p = place(&items, &counts, 120, 0);
         assert_eq!(p.on_gpu, [true, false, true, true, true, true, true]);
         assert_eq!((p.dense, p.experts, p.bytes), ((2, 2), (4, 5), 120));
         // 100: two experts, each layer's hottest.
-        let p = place(&items, &counts, 100);
+        let p = place(&items, &counts, 100, 0);
         assert_eq!(p.on_gpu, [true, false, true, false, true, false, true]);
         // A dense item that does not fit is skipped, the rest still placed.
-        let p = place(&items, &counts, 45);
+        let p = place(&items, &counts, 45, 0);
         assert_eq!(p.on_gpu, [true, false, true, false, false, false, false]);
         assert_eq!(p.dense, (1, 2));
-        assert_eq!(place(&items, &counts, 0).bytes, 0);
+        assert_eq!(place(&items, &counts, 0, 0).bytes, 0);
+        // The KV reservation comes after the dense items and before the
+        // experts: 120 - 80 dense - 20 KV leaves two experts.
+        let p = place(&items, &counts, 120, 20);
+        assert_eq!(p.on_gpu, [true, false, true, false, true, false, true]);
+        assert_eq!((p.kv, p.bytes), (20, 100));
+        // A reservation that does not fit after the dense items is not made.
+        let p = place(&items, &counts, 100, 30);
+        assert_eq!((p.kv, p.experts.0), (0, 2));
     }
 
     #[test]

@@ -519,6 +519,18 @@ fn score_runs_with_every_matrix_in_the_vram_tier() {
                 err.contains("CUDA: VRAM tier"),
                 "{name} on the {dev}: {err}"
             );
+            // The Llama family's attention goes with its KV cache to the GPU;
+            // DeepSeek V4's stays on the CPU.
+            let attention = if name == "tiny-dsv4" {
+                "attention on the CPU (this model's attention has no GPU path)"
+            } else {
+                "attention on the GPU for sequences of up to"
+            };
+            assert!(err.contains(attention), "{name} on the {dev}: {err}");
+            assert!(
+                !err.contains("attention on the GPU failed"),
+                "{name} on the {dev}: {err}"
+            );
             let (am, l) = last_logits(&out);
             assert_eq!(am, cpu.0, "{name} on the {dev}: greedy choices");
             let dist = l
@@ -577,10 +589,17 @@ fn score_last(model: &str, extra: &[&str], env: &[(&str, &str)]) -> (bool, Strin
 /// `--fp8-act bf16`: BF16 mma; `--fp4-act q8`: the INT8 mma, the CPU's
 /// fp4×q8 bit for bit), and the products that stay on the CUDA cores get the
 /// variant's activations too (`gpu::variant_activations`). So only the
-/// order of the sums differs from the same variant on the CPU: the logits
-/// stay within 10⁻³ of the largest and every greedy choice agrees. (Before
-/// the CUDA-core products took the variant's activations, the emulator
-/// showed them 0.7 apart for `--fp4-act q8` on tiny-dsv4.)
+/// order of the sums differs from the same variant on the CPU (and, for the
+/// Llama family, attention's, which runs on the GPU too). A variant rounds
+/// every product's activations, and a last-bit difference that sends one
+/// across a rounding boundary moves it by a whole BF16 step (2⁻⁸) or int8
+/// step: that is how attention on the GPU, about 10⁻⁷ relative from the
+/// CPU's, moved tiny-llama's `--bf16-act bf16` logits by 0.058 of 29. So the
+/// logits must stay within 5·10⁻³ of the largest (the variant itself moves
+/// them 0.18 from the f32 model) and every greedy choice must agree.
+/// (Before the CUDA-core products took the variant's activations, the
+/// emulator showed them 0.7 apart for `--fp4-act q8` on tiny-dsv4, whose
+/// largest logit is under 30.)
 #[test]
 fn activation_variants_take_the_tensor_cores() {
     let mut devs: Vec<(&gpu::Gpu, Vec<(&str, &str)>)> =
@@ -625,7 +644,7 @@ fn variants_on(g: &gpu::Gpu, env: &[(&str, &str)]) {
             .fold(0.0, f64::max);
         let scale = lc.iter().map(|x| x.abs()).fold(0.0, f64::max);
         assert!(
-            dist < 1e-3 * scale,
+            dist < 5e-3 * scale,
             "{dev}: {model} {flag} {value}: moved the logits by {dist} (largest {scale})"
         );
         let same = a.iter().zip(&b).filter(|(x, y)| x == y).count();

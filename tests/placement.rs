@@ -76,7 +76,7 @@ fn check(name: &str) {
         .map(Item::bytes)
         .max()
         .unwrap();
-    let p = place(&only, &counts, dense_bytes + 2 * biggest);
+    let p = place(&only, &counts, dense_bytes + 2 * biggest, 0);
     assert_eq!(p.dense.0, p.dense.1, "{name}: every dense item fits");
     assert!(p.experts.0 >= 2, "{name}: {p:?}");
     for (i, on) in only.iter().zip(&p.on_gpu) {

@@ -46,9 +46,18 @@ pub struct KvCache {
     /// Tokens already in the cache.
     pub len: usize,
     pub capacity: usize,
+    /// With a VRAM tier: the same keys and values on the GPU, where this
+    /// sequence's attention then runs. The CPU copy above is always kept,
+    /// so a failed GPU call falls back without losing anything.
+    gpu: Option<Box<crate::gpu::KvMirror>>,
 }
 
 impl KvCache {
+    /// Whether this sequence's attention runs on the GPU.
+    pub fn attention_on_gpu(&self) -> bool {
+        self.gpu.is_some()
+    }
+
     /// Bytes a cache for `ctx` tokens takes.
     pub fn bytes_for(layers: usize, kv_width: usize, ctx: usize) -> u64 {
         2 * layers as u64 * kv_width as u64 * ctx as u64 * 4
@@ -280,7 +289,20 @@ impl<'m> LlamaModel<'m> {
         b
     }
 
-    /// An empty cache for up to `capacity` tokens (checked against the context).
+    /// What attention on the GPU needs: layers, heads, context.
+    pub fn gpu_attention(&self) -> crate::gpu::GpuAttention {
+        crate::gpu::GpuAttention {
+            layers: self.layers.len(),
+            n_heads: self.heads,
+            n_kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            context: self.model.config.max_position_embeddings,
+        }
+    }
+
+    /// An empty cache for up to `capacity` tokens (checked against the
+    /// context). With a VRAM tier whose KV reservation holds it, its
+    /// attention runs on the GPU.
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache, EngineError> {
         let limit = self.model.config.max_position_embeddings;
         if capacity > limit {
@@ -291,7 +313,34 @@ impl<'m> LlamaModel<'m> {
             });
         }
         let w = self.kv_heads * self.head_dim;
+        let gpu = if self.kernels.tier() != 0 {
+            let shape = crate::plan::AttnShape {
+                head_dim: self.head_dim,
+                n_heads: self.heads,
+                n_kv_heads: self.kv_heads,
+            };
+            let specialised = self.kernels.attn_kernel(shape).shape.is_some();
+            match crate::gpu::KvMirror::new(
+                self.kernels.tier(),
+                self.layers.len(),
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
+                capacity,
+                specialised,
+            ) {
+                Ok(m) => Some(Box::new(m)),
+                Err(e) => {
+                    static SAID: std::sync::Once = std::sync::Once::new();
+                    SAID.call_once(|| eprintln!("CUDA: attention on the CPU: {e}"));
+                    None
+                }
+            }
+        } else {
+            None
+        };
         Ok(KvCache {
+            gpu,
             k: (0..self.layers.len())
                 .map(|_| vec![0.0; capacity * w])
                 .collect(),
@@ -380,7 +429,29 @@ impl<'m> LlamaModel<'m> {
                     }
                 }
             }
+            if let Some(m) = cache.gpu.as_mut() {
+                if let Err(e) = m.append(li, pos0, &kk, &vv) {
+                    gpu_failed(&e);
+                    cache.gpu = None;
+                }
+            }
             for i in 0..n {
+                let out = &mut att[i * h * hd..(i + 1) * h * hd];
+                if let Some(m) = cache.gpu.as_mut() {
+                    match m.attend(
+                        li,
+                        &q[i * h * hd..(i + 1) * h * hd],
+                        pos0 + i + 1,
+                        scale,
+                        out,
+                    ) {
+                        Ok(()) => continue,
+                        Err(e) => {
+                            gpu_failed(&e);
+                            cache.gpu = None;
+                        }
+                    }
+                }
                 let args = AttnArgs {
                     q: &q[i * h * hd..(i + 1) * h * hd],
                     k: &cache.k[li],
@@ -395,7 +466,7 @@ impl<'m> LlamaModel<'m> {
                     window: 0,
                     scale,
                 };
-                k.attn_decode(&args, &mut att[i * h * hd..(i + 1) * h * hd])?;
+                k.attn_decode(&args, out)?;
             }
             layer.o.apply(k, &att, n, &mut o)?;
             if let Some(b) = &layer.bias[3] {
@@ -474,4 +545,11 @@ impl<'m> LlamaModel<'m> {
             }
         }
     }
+}
+
+/// A GPU attention call failed: said once, and that sequence's attention
+/// goes back to the CPU (its own copy of the cache is complete).
+fn gpu_failed(e: &str) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| eprintln!("CUDA: attention on the GPU failed ({e}); running it on the CPU"));
 }
