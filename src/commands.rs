@@ -223,8 +223,9 @@ pub struct NumericsArgs {
     pub fp8_act: crate::bf16act::Bf16Act,
     /// `cuda` builds with a GPU: the VRAM budget in GiB for what is put on
     /// the GPU: dense matrices first; then, for Llama-family models, room for
-    /// the KV cache of one sequence of up to 4096 tokens, whose attention
-    /// then runs on the GPU; then the most used routed experts of each
+    /// a KV cache of 4096 tokens (or the model's context), where a sequence
+    /// that fits keeps its keys and runs its attention; then the most used
+    /// routed experts of each
     /// layer, counted in `<model>/.bespoke/expert-usage.json`. Default: the
     /// GPU's free memory less 1 GiB. 0 keeps everything on the CPU.
     /// Products on the GPU take f32 activations on the CUDA cores; under

@@ -235,6 +235,7 @@ mod imp {
         q: DevBuf<f32>,
         out: DevBuf<f32>,
         scratch: DevBuf<f32>,
+        /// bs_cu_attn_causal, or its specialisation for these shapes.
         kernel: String,
         n_heads: usize,
         n_kv_heads: usize,
@@ -245,7 +246,12 @@ mod imp {
     }
 
     impl KvMirror {
-        /// Device bytes a mirror of `layers` layers for `capacity` positions takes.
+        /// Queries one launch takes (a prefill step's go this many at a time).
+        const QUERIES: usize = 16;
+
+        /// Device bytes a mirror of `layers` layers for `capacity` positions
+        /// takes: the keys and values, and one launch's queries, outputs and
+        /// scores.
         pub fn bytes_for(
             layers: usize,
             n_heads: usize,
@@ -254,9 +260,10 @@ mod imp {
             capacity: usize,
         ) -> u64 {
             let w = (n_kv_heads * head_dim) as u64;
+            let qb = Self::QUERIES as u64;
             4 * (2 * layers as u64 * capacity as u64 * w
-                + 2 * (n_heads * head_dim) as u64
-                + n_heads as u64 * capacity.max(1) as u64)
+                + 2 * qb * (n_heads * head_dim) as u64
+                + qb * n_heads as u64 * capacity.max(1) as u64)
         }
 
         /// A mirror on the GPU of VRAM tier `tier`. `specialised`: the build
@@ -273,7 +280,7 @@ mod imp {
             specialised: bool,
         ) -> Result<KvMirror, String> {
             let g = gpu().map_err(str::to_string)?;
-            let w = n_kv_heads * head_dim;
+            let (w, qb) = (n_kv_heads * head_dim, Self::QUERIES);
             if layers == 0
                 || capacity == 0
                 || head_dim == 0
@@ -286,8 +293,8 @@ mod imp {
             }
             if [
                 capacity.checked_mul(w),
-                n_heads.checked_mul(capacity),
-                n_heads.checked_mul(head_dim),
+                (qb * n_heads).checked_mul(capacity),
+                (qb * n_heads).checked_mul(head_dim),
             ]
             .iter()
             .any(|v| v.map_or(true, |v| v > i32::MAX as usize))
@@ -306,16 +313,16 @@ mod imp {
                 Ok((
                     k,
                     v,
-                    g.zeros::<f32>(n_heads * head_dim)?,
-                    g.zeros::<f32>(n_heads * head_dim)?,
-                    g.zeros::<f32>(n_heads * capacity)?,
+                    g.zeros::<f32>(qb * n_heads * head_dim)?,
+                    g.zeros::<f32>(qb * n_heads * head_dim)?,
+                    g.zeros::<f32>(qb * n_heads * capacity)?,
                 ))
             };
             let (k, v, q, out, scratch) = alloc().inspect_err(|_| tier::give_kv(tier, bytes))?;
             let kernel = if specialised {
-                format!("bs_cu_attn_decode_d{head_dim}_h{n_heads}_kv{n_kv_heads}")
+                format!("bs_cu_attn_causal_d{head_dim}_h{n_heads}_kv{n_kv_heads}")
             } else {
-                "bs_cu_attn_decode".to_string()
+                "bs_cu_attn_causal".to_string()
             };
             Ok(KvMirror {
                 g,
@@ -367,8 +374,10 @@ mod imp {
             self.g.htod_into(v, &mut self.v[layer], pos0 * w)
         }
 
-        /// Attention of one query `q` [n_heads, head_dim] over positions
-        /// 0..t_len of layer `layer` into `out` (no sinks, no window).
+        /// Attention of n consecutive queries `q` [n][n_heads × head_dim] of
+        /// layer `layer`, causal: query i over positions 0 .. t_len + i - 1
+        /// (no sinks, no window), into `out` (the same shape). A decode step
+        /// is n = 1; a prefill step's queries go QUERIES to a launch.
         pub fn attend(
             &mut self,
             layer: usize,
@@ -378,44 +387,51 @@ mod imp {
             out: &mut [f32],
         ) -> Result<(), String> {
             let hw = self.n_heads * self.head_dim;
+            let n = q.len() / hw;
             if layer >= self.k.len()
-                || q.len() != hw
-                || out.len() != hw
+                || q.len() % hw != 0
+                || out.len() != q.len()
+                || n == 0
                 || t_len == 0
-                || t_len > self.capacity
+                || t_len + n - 1 > self.capacity
             {
                 return Err(format!(
-                    "KV mirror: layer {layer} of {}, q {} and out {} (want {hw}), {t_len} positions of {}",
+                    "KV mirror: layer {layer} of {}, q {} and out {} floats (rows of {hw}), queries from position {t_len} of {}",
                     self.k.len(),
                     q.len(),
                     out.len(),
                     self.capacity
                 ));
             }
-            self.g.htod_into(q, &mut self.q, 0)?;
-            let geo = AttnGeo {
-                n_heads: self.n_heads,
-                n_kv_heads: self.n_kv_heads,
-                head_dim: self.head_dim,
-                kv_stride: self.n_kv_heads * self.head_dim,
-                t_len,
-                window: 0,
-                scale,
-            };
-            // Checked: q and out hold n_heads × head_dim, k and v capacity ≥
-            // t_len rows of kv_stride, scratch n_heads × capacity, every size
-            // below 2^31 (new).
-            self.g.attn_launch(
-                &self.kernel,
-                &self.q,
-                &self.k[layer],
-                &self.v[layer],
-                None,
-                &mut self.out,
-                &mut self.scratch,
-                geo,
-            )?;
-            out.copy_from_slice(&self.g.dtoh(&self.out)?);
+            let step = Self::QUERIES * hw;
+            for (g, (qg, og)) in q.chunks(step).zip(out.chunks_mut(step)).enumerate() {
+                self.g.htod_into(qg, &mut self.q, 0)?;
+                let geo = AttnGeo {
+                    n_heads: self.n_heads,
+                    n_kv_heads: self.n_kv_heads,
+                    head_dim: self.head_dim,
+                    kv_stride: self.n_kv_heads * self.head_dim,
+                    t_len: t_len + g * Self::QUERIES,
+                    window: 0,
+                    scale,
+                    n_q: Some(qg.len() / hw),
+                };
+                // Checked: q and out hold QUERIES ≥ n_q rows of n_heads ×
+                // head_dim, k and v capacity ≥ t_len + n - 1 rows of kv_stride,
+                // scratch QUERIES × n_heads × capacity, every size below 2^31
+                // (new).
+                self.g.attn_launch(
+                    &self.kernel,
+                    &self.q,
+                    &self.k[layer],
+                    &self.v[layer],
+                    None,
+                    &mut self.out,
+                    &mut self.scratch,
+                    geo,
+                )?;
+                og.copy_from_slice(&self.g.dtoh(&self.out)?[..qg.len()]);
+            }
             Ok(())
         }
     }
@@ -458,6 +474,8 @@ mod imp {
         t_len: usize,
         window: usize,
         scale: f32,
+        /// Queries of a causal launch (bs_cu_attn_causal*); None: one, decode.
+        n_q: Option<usize>,
     }
 
     /// One kernel argument, as the driver takes them.
@@ -1084,6 +1102,7 @@ mod imp {
                 t_len,
                 window,
                 scale,
+                n_q: None,
             };
             // Checked above: q, k, v, sinks hold what the geometry reads.
             self.attn_launch(
@@ -1099,11 +1118,88 @@ mod imp {
             self.dtoh(&out)
         }
 
-        /// Launch an attention kernel on device buffers. The caller has
-        /// checked that q holds n_heads × head_dim floats, k and v t_len rows
-        /// of kv_stride ≥ n_kv_heads × head_dim floats, sinks (if any)
-        /// n_heads, out n_heads × head_dim and scratch n_heads × t_len, and
-        /// that every size is below 2^31.
+        /// Causal attention on the GPU for consecutive queries (q: rows of
+        /// n_heads × head_dim), query j over positions 0 .. t_len + j - 1 of
+        /// k and v (rows of kv_stride floats, position-major), no sinks and
+        /// no window: what attention on the GPU runs a prefill step with
+        /// ([`KvMirror`]). `kernel`: bs_cu_attn_causal or its specialisation
+        /// for these shapes.
+        #[allow(clippy::too_many_arguments)]
+        pub fn attn_causal(
+            &self,
+            kernel: &str,
+            q: &[f32],
+            k: &[f32],
+            v: &[f32],
+            n_heads: usize,
+            n_kv_heads: usize,
+            head_dim: usize,
+            kv_stride: usize,
+            t_len: usize,
+            scale: f32,
+        ) -> Result<Vec<f32>, String> {
+            let shaped = format!("bs_cu_attn_causal_d{head_dim}_h{n_heads}_kv{n_kv_heads}");
+            if kernel != "bs_cu_attn_causal" && kernel != shaped {
+                return Err(format!(
+                    "{kernel} is not the causal attention kernel for these shapes ({shaped})"
+                ));
+            }
+            let hw = n_heads * head_dim;
+            let n_q = q.len().checked_div(hw).unwrap_or(0);
+            let last = t_len + n_q.max(1) - 1;
+            let fits = [hw, kv_stride, last, n_q]
+                .iter()
+                .all(|&v| v <= i32::MAX as usize)
+                && n_q
+                    .checked_mul(n_heads)
+                    .and_then(|v| v.checked_mul(last))
+                    .is_some_and(|v| v <= i32::MAX as usize);
+            if !fits
+                || head_dim == 0
+                || n_kv_heads == 0
+                || n_heads % n_kv_heads != 0
+                || kv_stride < n_kv_heads * head_dim
+                || n_q == 0
+                || t_len == 0
+                || q.len() != n_q * hw
+                || k.len() < last * kv_stride
+                || v.len() < last * kv_stride
+            {
+                return Err(format!(
+                    "causal attention: q {} (rows of {n_heads}×{head_dim}), k {} / v {} (want ≥ {last}×{kv_stride}), \
+                     {n_heads} heads over {n_kv_heads} KV heads, from position {t_len}",
+                    q.len(),
+                    k.len(),
+                    v.len()
+                ));
+            }
+            let up = |s: &[f32]| self.htod(s, "copying to the GPU");
+            let (qd, kd, vd) = (up(q)?, up(k)?, up(v)?);
+            let mut out = self.zeros::<f32>(n_q * hw)?;
+            let mut scratch = self.zeros::<f32>(n_q * n_heads * last)?;
+            let geo = AttnGeo {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                kv_stride,
+                t_len,
+                window: 0,
+                scale,
+                n_q: Some(n_q),
+            };
+            // Checked above: q and out hold n_q rows, k and v t_len + n_q - 1
+            // rows of kv_stride, scratch n_q × n_heads × (t_len + n_q - 1).
+            self.attn_launch(kernel, &qd, &kd, &vd, None, &mut out, &mut scratch, geo)?;
+            self.dtoh(&out)
+        }
+
+        /// Launch an attention kernel on device buffers: bs_cu_attn_decode*
+        /// (`a.n_q` None) or bs_cu_attn_causal* (`a.n_q` queries). The caller
+        /// has checked that q and out hold n_q rows of n_heads × head_dim
+        /// floats, k and v t_len + n_q - 1 rows of kv_stride ≥ n_kv_heads ×
+        /// head_dim floats, sinks (if any) n_heads, scratch n_q × n_heads ×
+        /// (t_len + n_q - 1), and that every size is below 2^31 (n_q = 1 for
+        /// decode).
         #[allow(clippy::too_many_arguments)]
         fn attn_launch(
             &self,
@@ -1117,11 +1213,12 @@ mod imp {
             a: AttnGeo,
         ) -> Result<(), String> {
             let cfg = LaunchConfig {
-                grid_dim: (a.n_heads as u32, 1, 1),
+                grid_dim: (a.n_heads as u32, a.n_q.unwrap_or(1) as u32, 1),
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // The parameters of bs_cu_attn_decode* in order.
+            // The parameters of bs_cu_attn_decode* (and n_q last for
+            // bs_cu_attn_causal*) in order.
             let mut args = vec![
                 Arg::F32(q),
                 Arg::F32(k),
@@ -1144,6 +1241,9 @@ mod imp {
                 args.push(Arg::I32(i as i32));
             }
             args.push(Arg::F32Val(a.scale));
+            if let Some(n_q) = a.n_q {
+                args.push(Arg::I32(n_q as i32));
+            }
             self.run(kernel, cfg, &mut args)
         }
 

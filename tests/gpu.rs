@@ -444,11 +444,15 @@ fn attention_decode_matches_the_reference() {
 
 fn attention_on(g: &gpu::Gpu) {
     let dev = device_name(g);
+    let plan = bespoke::report::build_plan();
     let mut rng = Rng(17);
     for &(hd, h, kvh, t_len, window, sinks) in &[
         (64usize, 8usize, 2usize, 37usize, 0usize, false),
         (128, 4, 1, 300, 128, true),
         (64, 8, 8, 1, 0, true),
+        // A build shape (tiny-llama's: the specialised kernels too), odd
+        // head_dim, one query more than a causal launch takes.
+        (18, 4, 2, 40, 0, false),
     ] {
         let stride = kvh * hd;
         let q: Vec<f32> = (0..h * hd).map(|_| rng.unit()).collect();
@@ -493,6 +497,49 @@ fn attention_on(g: &gpu::Gpu) {
             );
         }
         println!("{dev}: attention hd{hd} h{h} kv{kvh} t{t_len} window {window} sinks {sinks}: ok");
+        // The causal kernel a prefill step takes on the GPU (no sinks, no
+        // window): n_q queries from position t0, query j over positions
+        // 0 .. t0 + j - 1, as one decode call over that many would.
+        if window != 0 || sinks {
+            continue;
+        }
+        let n_q = t_len.min(17);
+        let t0 = t_len - n_q + 1;
+        let qs: Vec<f32> = (0..n_q * h * hd).map(|_| rng.unit()).collect();
+        let shape = bespoke::plan::AttnShape {
+            head_dim: hd,
+            n_heads: h,
+            n_kv_heads: kvh,
+        };
+        let mut kernels = vec!["bs_cu_attn_causal".to_string()];
+        if plan.attn_shapes.contains(&shape) {
+            kernels.push(format!("bs_cu_attn_causal_d{hd}_h{h}_kv{kvh}"));
+        }
+        for kernel in kernels {
+            let got = g
+                .attn_causal(&kernel, &qs, &k, &v, h, kvh, hd, stride, t0, args.scale)
+                .unwrap();
+            for j in 0..n_q {
+                let one = bespoke::AttnArgs {
+                    q: &qs[j * h * hd..(j + 1) * h * hd],
+                    t_len: t0 + j,
+                    sinks: None,
+                    ..args
+                };
+                let want = bespoke::reference::attn_decode(&one);
+                for (i, (a, b)) in got[j * h * hd..(j + 1) * h * hd]
+                    .iter()
+                    .zip(&want)
+                    .enumerate()
+                {
+                    assert!(
+                        (a - b).abs() <= 1e-5,
+                        "{dev}: {kernel} query {j} from position {t0}: out {i}: {a} vs CPU {b}"
+                    );
+                }
+            }
+            println!("{dev}: {kernel} hd{hd} h{h} kv{kvh}, {n_q} queries from position {t0}: ok");
+        }
     }
 }
 

@@ -435,23 +435,23 @@ impl<'m> LlamaModel<'m> {
                     cache.gpu = None;
                 }
             }
-            for i in 0..n {
-                let out = &mut att[i * h * hd..(i + 1) * h * hd];
-                if let Some(m) = cache.gpu.as_mut() {
-                    match m.attend(
-                        li,
-                        &q[i * h * hd..(i + 1) * h * hd],
-                        pos0 + i + 1,
-                        scale,
-                        out,
-                    ) {
-                        Ok(()) => continue,
-                        Err(e) => {
-                            gpu_failed(&e);
-                            cache.gpu = None;
-                        }
-                    }
+            // On the GPU: every query of the step in one call (query i over
+            // positions 0 ..= pos0 + i); else, or if that fails, on the CPU.
+            let on_gpu = match cache
+                .gpu
+                .as_mut()
+                .map(|m| m.attend(li, &q, pos0 + 1, scale, &mut att))
+            {
+                Some(Ok(())) => true,
+                Some(Err(e)) => {
+                    gpu_failed(&e);
+                    cache.gpu = None;
+                    false
                 }
+                None => false,
+            };
+            for i in (0..n).filter(|_| !on_gpu) {
+                let out = &mut att[i * h * hd..(i + 1) * h * hd];
                 let args = AttnArgs {
                     q: &q[i * h * hd..(i + 1) * h * hd],
                     k: &cache.k[li],

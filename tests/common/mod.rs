@@ -257,6 +257,17 @@ pub fn check_model(name: &str) {
             let mut all = prompt.clone();
             all.extend_from_slice(&out[..n_new - 1]);
             let mut fresh = CausalLm::new_cache(&eng, all.len()).unwrap();
+            // Both caches' attention where the other's is (the tier's KV room
+            // holds the two small fixture sequences), and no GPU call failed
+            // (a failure sends attention back to the CPU).
+            #[cfg(feature = "cuda")]
+            if std::env::var("BESPOKE_TEST_VRAM").is_ok() {
+                assert_eq!(
+                    (cache.attention_on_gpu(), fresh.attention_on_gpu()),
+                    (eng.gpu_attention().is_some(), eng.gpu_attention().is_some()),
+                    "{what}: attention on the GPU after the decode, and for the recompute"
+                );
+            }
             let full = CausalLm::prefill(&eng, &mut fresh, &all, 7, false).unwrap();
             assert_eq!(
                 full, last,
