@@ -825,7 +825,7 @@ mod imp {
             self.upload(m.format(), w, s, m.rows(), m.cols())
         }
 
-        /// Y[n][rows] = W X[n][cols] with the CUDA-core kernel `kernel`
+        /// `Y[n][rows] = W X[n][cols]` with the CUDA-core kernel `kernel`
         /// (`bs_cu_matvec_<fmt>` for n = 1, `bs_cu_matmul_<fmt>` otherwise, or a
         /// specialised name), or with a tensor-core kernel (`bs_tc_*`).
         pub fn matmul(
