@@ -1035,7 +1035,8 @@ mod imp {
             Ok((q, s))
         }
 
-        /// Attention decode on the GPU (the CPU kernel's arguments).
+        /// Attention decode on the GPU (the CPU kernel's arguments):
+        /// bs_cu_attn_decode or its specialisation for these shapes.
         #[allow(clippy::too_many_arguments)]
         pub fn attn_decode(
             &self,
@@ -1052,48 +1053,6 @@ mod imp {
             window: usize,
             scale: f32,
         ) -> Result<Vec<f32>, String> {
-            // What the kernel reads, checked (the launch below relies on it).
-            let shaped = format!("bs_cu_attn_decode_d{head_dim}_h{n_heads}_kv{n_kv_heads}");
-            if kernel != "bs_cu_attn_decode" && kernel != shaped {
-                return Err(format!(
-                    "{kernel} is not the attention kernel for these shapes ({shaped})"
-                ));
-            }
-            let span = t_len
-                .checked_mul(kv_stride)
-                .ok_or("KV cache size overflows")?;
-            if [n_heads, head_dim, kv_stride, t_len, window]
-                .iter()
-                .any(|&v| v > i32::MAX as usize)
-            {
-                return Err("attention: the GPU kernel takes sizes below 2^31".into());
-            }
-            if head_dim == 0
-                || n_kv_heads == 0
-                || n_heads % n_kv_heads != 0
-                || kv_stride < n_kv_heads * head_dim
-                || q.len() != n_heads * head_dim
-                || k.len() < span
-                || v.len() < span
-                || sinks.is_some_and(|s| s.len() != n_heads)
-            {
-                return Err(format!(
-                    "attention: q {} (want {n_heads}×{head_dim}), k {} / v {} (want ≥ {t_len}×{kv_stride}), \
-                     {n_heads} heads over {n_kv_heads} KV heads, sinks {:?}",
-                    q.len(),
-                    k.len(),
-                    v.len(),
-                    sinks.map(<[f32]>::len)
-                ));
-            }
-            let up = |s: &[f32]| self.htod(s, "copying to the GPU");
-            let (qd, kd, vd) = (up(q)?, up(k)?, up(v)?);
-            let sd = match sinks {
-                Some(s) => Some(up(s)?),
-                None => None,
-            };
-            let mut out = self.zeros::<f32>(n_heads * head_dim)?;
-            let mut scratch = self.zeros::<f32>((n_heads * t_len).max(1))?;
             let geo = AttnGeo {
                 n_heads,
                 n_kv_heads,
@@ -1104,18 +1063,7 @@ mod imp {
                 scale,
                 n_q: None,
             };
-            // Checked above: q, k, v, sinks hold what the geometry reads.
-            self.attn_launch(
-                kernel,
-                &qd,
-                &kd,
-                &vd,
-                sd.as_ref(),
-                &mut out,
-                &mut scratch,
-                geo,
-            )?;
-            self.dtoh(&out)
+            self.attn_host(kernel, q, k, v, sinks, geo)
         }
 
         /// Causal attention on the GPU for consecutive queries (q: rows of
@@ -1138,45 +1086,6 @@ mod imp {
             t_len: usize,
             scale: f32,
         ) -> Result<Vec<f32>, String> {
-            let shaped = format!("bs_cu_attn_causal_d{head_dim}_h{n_heads}_kv{n_kv_heads}");
-            if kernel != "bs_cu_attn_causal" && kernel != shaped {
-                return Err(format!(
-                    "{kernel} is not the causal attention kernel for these shapes ({shaped})"
-                ));
-            }
-            let hw = n_heads * head_dim;
-            let n_q = q.len().checked_div(hw).unwrap_or(0);
-            let last = t_len + n_q.max(1) - 1;
-            let fits = [hw, kv_stride, last, n_q]
-                .iter()
-                .all(|&v| v <= i32::MAX as usize)
-                && n_q
-                    .checked_mul(n_heads)
-                    .and_then(|v| v.checked_mul(last))
-                    .is_some_and(|v| v <= i32::MAX as usize);
-            if !fits
-                || head_dim == 0
-                || n_kv_heads == 0
-                || n_heads % n_kv_heads != 0
-                || kv_stride < n_kv_heads * head_dim
-                || n_q == 0
-                || t_len == 0
-                || q.len() != n_q * hw
-                || k.len() < last * kv_stride
-                || v.len() < last * kv_stride
-            {
-                return Err(format!(
-                    "causal attention: q {} (rows of {n_heads}×{head_dim}), k {} / v {} (want ≥ {last}×{kv_stride}), \
-                     {n_heads} heads over {n_kv_heads} KV heads, from position {t_len}",
-                    q.len(),
-                    k.len(),
-                    v.len()
-                ));
-            }
-            let up = |s: &[f32]| self.htod(s, "copying to the GPU");
-            let (qd, kd, vd) = (up(q)?, up(k)?, up(v)?);
-            let mut out = self.zeros::<f32>(n_q * hw)?;
-            let mut scratch = self.zeros::<f32>(n_q * n_heads * last)?;
             let geo = AttnGeo {
                 n_heads,
                 n_kv_heads,
@@ -1185,11 +1094,98 @@ mod imp {
                 t_len,
                 window: 0,
                 scale,
-                n_q: Some(n_q),
+                n_q: Some(q.len().checked_div(n_heads * head_dim).unwrap_or(0)),
             };
-            // Checked above: q and out hold n_q rows, k and v t_len + n_q - 1
-            // rows of kv_stride, scratch n_q × n_heads × (t_len + n_q - 1).
-            self.attn_launch(kernel, &qd, &kd, &vd, None, &mut out, &mut scratch, geo)?;
+            self.attn_host(kernel, q, k, v, None, geo)
+        }
+
+        /// [`Gpu::attn_decode`] (`geo.n_q` None) and [`Gpu::attn_causal`]
+        /// from host slices: what the kernel reads checked, the inputs
+        /// uploaded, the output copied back.
+        fn attn_host(
+            &self,
+            kernel: &str,
+            q: &[f32],
+            k: &[f32],
+            v: &[f32],
+            sinks: Option<&[f32]>,
+            geo: AttnGeo,
+        ) -> Result<Vec<f32>, String> {
+            let AttnGeo {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                kv_stride,
+                t_len,
+                window,
+                ..
+            } = geo;
+            let family = if geo.n_q.is_some() {
+                "causal"
+            } else {
+                "decode"
+            };
+            let shaped = format!("bs_cu_attn_{family}_d{head_dim}_h{n_heads}_kv{n_kv_heads}");
+            if kernel != format!("bs_cu_attn_{family}") && kernel != shaped {
+                return Err(format!(
+                    "{kernel} is not the {family} attention kernel for these shapes ({shaped})"
+                ));
+            }
+            let (hw, n_q) = (n_heads * head_dim, geo.n_q.unwrap_or(1));
+            // Positions the last query sees, and the scores of all of them.
+            let last = (t_len + n_q).saturating_sub(1);
+            let scores = n_q.checked_mul(n_heads).and_then(|v| v.checked_mul(last));
+            let span = last.checked_mul(kv_stride);
+            if [hw, kv_stride, last, n_q, window]
+                .iter()
+                .any(|&v| v > i32::MAX as usize)
+                || scores.map_or(true, |v| v > i32::MAX as usize)
+                || span.is_none()
+            {
+                return Err("attention: the GPU kernel takes sizes below 2^31".into());
+            }
+            let span = span.unwrap_or(usize::MAX);
+            if head_dim == 0
+                || n_kv_heads == 0
+                || n_heads % n_kv_heads != 0
+                || kv_stride < n_kv_heads * head_dim
+                || n_q == 0
+                || t_len == 0
+                || q.len() != n_q * hw
+                || k.len() < span
+                || v.len() < span
+                || sinks.is_some_and(|s| s.len() != n_heads)
+            {
+                return Err(format!(
+                    "attention: q {} (want {n_q} × {n_heads}×{head_dim}), k {} / v {} (want ≥ {last}×{kv_stride}), \
+                     {n_heads} heads over {n_kv_heads} KV heads, from position {t_len}, sinks {:?}",
+                    q.len(),
+                    k.len(),
+                    v.len(),
+                    sinks.map(<[f32]>::len)
+                ));
+            }
+            let up = |s: &[f32]| self.htod(s, "copying to the GPU");
+            let (qd, kd, vd) = (up(q)?, up(k)?, up(v)?);
+            let sd = match sinks {
+                Some(s) => Some(up(s)?),
+                None => None,
+            };
+            let mut out = self.zeros::<f32>(n_q * hw)?;
+            let mut scratch = self.zeros::<f32>(scores.unwrap_or(0).max(1))?;
+            // Checked above: q and out hold n_q rows of n_heads × head_dim, k
+            // and v t_len + n_q - 1 rows of kv_stride, sinks n_heads, scratch
+            // n_q × n_heads × (t_len + n_q - 1), every size below 2^31.
+            self.attn_launch(
+                kernel,
+                &qd,
+                &kd,
+                &vd,
+                sd.as_ref(),
+                &mut out,
+                &mut scratch,
+                geo,
+            )?;
             self.dtoh(&out)
         }
 
