@@ -285,6 +285,7 @@ mod imp {
                 || capacity == 0
                 || head_dim == 0
                 || n_kv_heads == 0
+                || n_heads == 0
                 || n_heads % n_kv_heads != 0
             {
                 return Err(format!(
@@ -1146,6 +1147,7 @@ mod imp {
             }
             let span = span.unwrap_or(usize::MAX);
             if head_dim == 0
+                || n_heads == 0
                 || n_kv_heads == 0
                 || n_heads % n_kv_heads != 0
                 || kv_stride < n_kv_heads * head_dim
