@@ -342,11 +342,6 @@ mod imp {
             })
         }
 
-        /// Positions it holds room for.
-        pub fn capacity(&self) -> usize {
-            self.capacity
-        }
-
         /// Write positions pos0.. of layer `layer`: `k` and `v` hold whole
         /// rows of n_kv_heads × head_dim floats, position-major.
         pub fn append(
@@ -431,7 +426,7 @@ mod imp {
                     &mut self.scratch,
                     geo,
                 )?;
-                og.copy_from_slice(&self.g.dtoh(&self.out)?[..qg.len()]);
+                self.g.dtoh_into(&self.out, og)?;
             }
             Ok(())
         }
@@ -1245,6 +1240,27 @@ mod imp {
             self.run(kernel, cfg, &mut args)
         }
 
+        /// Copy the first `dst.len()` elements of `src` back.
+        fn dtoh_into(&self, src: &DevBuf<f32>, dst: &mut [f32]) -> Result<(), String> {
+            let n = dst.len();
+            if n > src.len() {
+                return Err(format!(
+                    "copying {n} floats back from a buffer of {}",
+                    src.len()
+                ));
+            }
+            match (&self.dev, &src.0) {
+                (Dev::Cuda { stream, .. }, Buf::Cuda(s)) => stream
+                    .memcpy_dtoh(&s.slice(..n), dst)
+                    .map_err(derr("copying the result back")),
+                (Dev::Emu, Buf::Host(v)) => {
+                    dst.copy_from_slice(&v[..n]);
+                    Ok(())
+                }
+                _ => Err("a buffer of another device".into()),
+            }
+        }
+
         /// Copy `src` into `dst` from element `at` on.
         fn htod_into(&self, src: &[f32], dst: &mut DevBuf<f32>, at: usize) -> Result<(), String> {
             let end = at
@@ -1351,12 +1367,6 @@ pub mod tier {
     pub fn reserve_kv(id: u32, bytes: u64) {
         let mut t = tiers().lock().unwrap_or_else(|e| e.into_inner());
         t.kv.insert(id, (bytes, bytes));
-    }
-
-    /// Bytes tier `id` set aside for KV mirrors, and how many are free.
-    pub fn kv_reserved(id: u32) -> (u64, u64) {
-        let t = tiers().lock().unwrap_or_else(|e| e.into_inner());
-        t.kv.get(&id).copied().unwrap_or((0, 0))
     }
 
     pub(super) fn take_kv(id: u32, bytes: u64) -> Result<(), String> {
@@ -1513,10 +1523,6 @@ impl KvMirror {
         _specialised: bool,
     ) -> Result<KvMirror, String> {
         Err("not built with CUDA".into())
-    }
-
-    pub fn capacity(&self) -> usize {
-        match *self {}
     }
 
     pub fn append(
