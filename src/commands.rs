@@ -222,11 +222,10 @@ pub struct NumericsArgs {
     #[arg(long, value_name = "ACT", value_enum, default_value_t = crate::bf16act::Bf16Act::F32)]
     pub fp8_act: crate::bf16act::Bf16Act,
     /// `cuda` builds with a GPU: the VRAM budget in GiB for what is put on
-    /// the GPU: dense matrices first; then, for Llama-family models, room for
-    /// a KV cache of 4096 tokens (or the model's context), where a sequence
-    /// that fits keeps its keys and runs its attention; then the most used
-    /// routed experts of each
-    /// layer, counted in `<model>/.bespoke/expert-usage.json`. Default: the
+    /// the GPU: dense matrices first; then room for a KV cache of 4096
+    /// tokens (or the model's context), where a sequence that fits keeps
+    /// its keys and runs its attention; then the most used routed experts
+    /// of each layer, counted in `<model>/.bespoke/expert-usage.json`. Default: the
     /// GPU's free memory less 1 GiB. 0 keeps everything on the CPU.
     /// Products on the GPU take f32 activations on the CUDA cores; under
     /// --bf16-act, --fp8-act or --fp4-act other than f32, a prefill product

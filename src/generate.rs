@@ -88,11 +88,11 @@ pub enum AnyCache {
 
 impl AnyCache {
     /// Whether this sequence's attention runs on the GPU (a VRAM tier whose
-    /// KV reservation holds its cache; Llama-family engines only).
+    /// KV reservation holds its cache).
     pub fn attention_on_gpu(&self) -> bool {
         match self {
             AnyCache::Llama(c) => c.attention_on_gpu(),
-            AnyCache::Dsv4(_) => false,
+            AnyCache::Dsv4(c) => c.attention_on_gpu(),
         }
     }
 }
@@ -119,13 +119,11 @@ impl<'m> AnyModel<'m> {
         }
     }
 
-    /// What attention on the GPU needs of this model, or None where its
-    /// engine keeps attention on the CPU (DeepSeek V4, whose keys are chosen
-    /// per query from compressed and indexed entries).
-    pub fn gpu_attention(&self) -> Option<crate::gpu::GpuAttention> {
+    /// What attention on the GPU sets aside for this model.
+    pub fn gpu_attention(&self) -> crate::gpu::GpuAttention {
         match self {
-            AnyModel::Llama(m) => Some(m.gpu_attention()),
-            AnyModel::Dsv4(_) => None,
+            AnyModel::Llama(m) => m.gpu_attention(),
+            AnyModel::Dsv4(m) => m.gpu_attention(),
         }
     }
 

@@ -246,26 +246,6 @@ mod imp {
     }
 
     impl KvMirror {
-        /// Queries one launch takes (a prefill step's go this many at a time).
-        const QUERIES: usize = 16;
-
-        /// Device bytes a mirror of `layers` layers for `capacity` positions
-        /// takes: the keys and values, and one launch's queries, outputs and
-        /// scores.
-        pub fn bytes_for(
-            layers: usize,
-            n_heads: usize,
-            n_kv_heads: usize,
-            head_dim: usize,
-            capacity: usize,
-        ) -> u64 {
-            let w = (n_kv_heads * head_dim) as u64;
-            let qb = Self::QUERIES as u64;
-            4 * (2 * layers as u64 * capacity as u64 * w
-                + 2 * qb * (n_heads * head_dim) as u64
-                + qb * n_heads as u64 * capacity.max(1) as u64)
-        }
-
         /// A mirror on the GPU of VRAM tier `tier`. `specialised`: the build
         /// has an attention kernel for these shapes. Err: no GPU, sizes the
         /// kernel cannot take, the tier's KV reservation too small, or out
@@ -280,7 +260,7 @@ mod imp {
             specialised: bool,
         ) -> Result<KvMirror, String> {
             let g = gpu().map_err(str::to_string)?;
-            let (w, qb) = (n_kv_heads * head_dim, Self::QUERIES);
+            let (w, qb) = (n_kv_heads * head_dim, GPU_QUERIES);
             if layers == 0
                 || capacity == 0
                 || head_dim == 0
@@ -302,7 +282,7 @@ mod imp {
             {
                 return Err("attention on the GPU: the kernel takes sizes below 2^31".into());
             }
-            let bytes = Self::bytes_for(layers, n_heads, n_kv_heads, head_dim, capacity);
+            let bytes = kv_mirror_bytes(layers, n_heads, n_kv_heads, head_dim, capacity);
             tier::take_kv(tier, bytes)?;
             let alloc = || -> Result<_, String> {
                 let mut k = Vec::with_capacity(layers);
@@ -373,7 +353,7 @@ mod imp {
         /// Attention of n consecutive queries `q` [n][n_heads × head_dim] of
         /// layer `layer`, causal: query i over positions 0 .. t_len + i - 1
         /// (no sinks, no window), into `out` (the same shape). A decode step
-        /// is n = 1; a prefill step's queries go QUERIES to a launch.
+        /// is n = 1; a prefill step's queries go GPU_QUERIES to a launch.
         pub fn attend(
             &mut self,
             layer: usize,
@@ -399,7 +379,7 @@ mod imp {
                     self.capacity
                 ));
             }
-            let step = Self::QUERIES * hw;
+            let step = GPU_QUERIES * hw;
             for (g, (qg, og)) in q.chunks(step).zip(out.chunks_mut(step)).enumerate() {
                 self.g.htod_into(qg, &mut self.q, 0)?;
                 let geo = AttnGeo {
@@ -407,14 +387,14 @@ mod imp {
                     n_kv_heads: self.n_kv_heads,
                     head_dim: self.head_dim,
                     kv_stride: self.n_kv_heads * self.head_dim,
-                    t_len: t_len + g * Self::QUERIES,
+                    t_len: t_len + g * GPU_QUERIES,
                     window: 0,
                     scale,
                     n_q: Some(qg.len() / hw),
                 };
-                // Checked: q and out hold QUERIES ≥ n_q rows of n_heads ×
+                // Checked: q and out hold GPU_QUERIES ≥ n_q rows of n_heads ×
                 // head_dim, k and v capacity ≥ t_len + n - 1 rows of kv_stride,
-                // scratch QUERIES × n_heads × capacity, every size below 2^31
+                // scratch GPU_QUERIES × n_heads × capacity, every size below 2^31
                 // (new).
                 self.g.attn_launch(
                     &self.kernel,
@@ -435,6 +415,218 @@ mod imp {
     impl Drop for KvMirror {
         fn drop(&mut self) {
             tier::give_kv(self.tier, self.bytes);
+        }
+    }
+
+    /// Keys kept on the device as rows, and attention of each query over a
+    /// list of them: DeepSeek V4's attention, whose keys (= values) are a
+    /// query's sliding window plus the compressed entries it sees or its
+    /// indexer picked. Per layer `geo.layer_rows` rows of head_dim floats
+    /// (the engine decides which row holds what) and the layer's sink logits;
+    /// one launch's queries, outputs, scores and row lists. Its bytes come
+    /// out of the VRAM tier's KV reservation and go back when it is dropped.
+    pub struct RowKv {
+        g: &'static Gpu,
+        kv: Vec<DevBuf<f32>>,
+        sinks: Vec<DevBuf<f32>>,
+        q: DevBuf<f32>,
+        out: DevBuf<f32>,
+        scratch: DevBuf<f32>,
+        rows: DevBuf<i32>,
+        offs: DevBuf<i32>,
+        /// bs_cu_attn_rows, or its specialisation for these shapes.
+        kernel: String,
+        geo: RowKvGeo,
+        tier: u32,
+        bytes: u64,
+    }
+
+    impl RowKv {
+        /// Room on the GPU of VRAM tier `tier` for `geo`, with each layer's
+        /// sink logits (n_heads each). `specialised`: the build has an
+        /// attention kernel for these shapes. Err: no GPU, sizes the kernel
+        /// cannot take, the tier's KV reservation too small, or out of
+        /// memory (the caller keeps attention on the CPU).
+        pub fn new(
+            tier: u32,
+            geo: RowKvGeo,
+            sinks: &[&[f32]],
+            specialised: bool,
+        ) -> Result<RowKv, String> {
+            let g = gpu().map_err(str::to_string)?;
+            let RowKvGeo {
+                ref layer_rows,
+                n_heads,
+                head_dim,
+                max_keys,
+            } = geo;
+            if layer_rows.is_empty()
+                || layer_rows.contains(&0)
+                || n_heads == 0
+                || head_dim == 0
+                || max_keys == 0
+                || sinks.len() != layer_rows.len()
+                || sinks.iter().any(|s| s.len() != n_heads)
+            {
+                return Err(format!(
+                    "attention on the GPU: {} layers of {layer_rows:?} rows, {n_heads} heads of {head_dim},                      {max_keys} keys a query, {} layers of sinks",
+                    layer_rows.len(),
+                    sinks.len()
+                ));
+            }
+            let qb = GPU_QUERIES;
+            let most = layer_rows.iter().copied().max().unwrap_or(0);
+            if [
+                most.checked_mul(head_dim),
+                (qb * n_heads).checked_mul(head_dim),
+                (qb * n_heads).checked_mul(max_keys),
+                qb.checked_mul(max_keys),
+            ]
+            .iter()
+            .any(|v| v.map_or(true, |v| v > i32::MAX as usize))
+            {
+                return Err("attention on the GPU: the kernel takes sizes below 2^31".into());
+            }
+            let bytes = geo.bytes();
+            tier::take_kv(tier, bytes)?;
+            let alloc = || -> Result<_, String> {
+                let mut kv = Vec::with_capacity(layer_rows.len());
+                let mut sk = Vec::with_capacity(layer_rows.len());
+                for (r, s) in layer_rows.iter().zip(sinks) {
+                    kv.push(g.zeros::<f32>(r * head_dim)?);
+                    sk.push(g.htod(s, "copying the sinks to the GPU")?);
+                }
+                Ok((
+                    kv,
+                    sk,
+                    g.zeros::<f32>(qb * n_heads * head_dim)?,
+                    g.zeros::<f32>(qb * n_heads * head_dim)?,
+                    g.zeros::<f32>(qb * n_heads * max_keys)?,
+                    g.zeros::<i32>(qb * max_keys)?,
+                    g.zeros::<i32>(qb + 1)?,
+                ))
+            };
+            let (kv, sinks, q, out, scratch, rows, offs) =
+                alloc().inspect_err(|_| tier::give_kv(tier, bytes))?;
+            let kernel = if specialised {
+                format!("bs_cu_attn_rows_d{head_dim}_h{n_heads}")
+            } else {
+                "bs_cu_attn_rows".to_string()
+            };
+            Ok(RowKv {
+                g,
+                kv,
+                sinks,
+                q,
+                out,
+                scratch,
+                rows,
+                offs,
+                kernel,
+                geo,
+                tier,
+                bytes,
+            })
+        }
+
+        /// Write whole rows of head_dim floats into layer `layer` from row
+        /// `row0` on.
+        pub fn write(&mut self, layer: usize, row0: usize, data: &[f32]) -> Result<(), String> {
+            let hd = self.geo.head_dim;
+            let fits = self
+                .geo
+                .layer_rows
+                .get(layer)
+                .is_some_and(|&r| data.len() % hd == 0 && row0 + data.len() / hd <= r);
+            if !fits {
+                return Err(format!(
+                    "row KV: layer {layer} of {}, {} floats at row {row0} (rows of {hd}, room for {:?})",
+                    self.geo.layer_rows.len(),
+                    data.len(),
+                    self.geo.layer_rows.get(layer)
+                ));
+            }
+            if data.is_empty() {
+                return Ok(());
+            }
+            self.g.htod_into(data, &mut self.kv[layer], row0 * hd)
+        }
+
+        /// Attention of up to GPU_QUERIES queries `q` [n][n_heads × head_dim]
+        /// of layer `layer`: query j over the rows `rows[offs[j] ..
+        /// offs[j + 1]]` in order (offs: n + 1 ascending, from 0 to
+        /// rows.len()), with the layer's sinks, into `out` (q's shape).
+        pub fn attend(
+            &mut self,
+            layer: usize,
+            q: &[f32],
+            rows: &[i32],
+            offs: &[i32],
+            scale: f32,
+            out: &mut [f32],
+        ) -> Result<(), String> {
+            let RowKvGeo {
+                n_heads, head_dim, ..
+            } = self.geo;
+            let hw = n_heads * head_dim;
+            let n = offs.len().saturating_sub(1);
+            let have = self.geo.layer_rows.get(layer).copied().unwrap_or(0);
+            check_rows(rows, offs, have, self.geo.max_keys)?;
+            if have == 0 || n == 0 || n > GPU_QUERIES || q.len() != n * hw || out.len() != q.len() {
+                return Err(format!(
+                    "row KV: layer {layer} of {}, q {} and out {} floats for {n} queries (rows of {hw}, at most {GPU_QUERIES})",
+                    self.geo.layer_rows.len(),
+                    q.len(),
+                    out.len()
+                ));
+            }
+            self.g.htod_into(q, &mut self.q, 0)?;
+            self.g.htod_into(rows, &mut self.rows, 0)?;
+            self.g.htod_into(offs, &mut self.offs, 0)?;
+            // Checked: n ≤ GPU_QUERIES queries, so q and out hold n rows of
+            // n_heads × head_dim; offs ascends from 0 to rows.len() ≤
+            // GPU_QUERIES × max_keys with every row below the layer's
+            // (check_rows), so scratch (GPU_QUERIES × n_heads × max_keys)
+            // holds n_heads × rows.len(); sinks hold n_heads (new).
+            self.g.rows_launch(
+                &self.kernel,
+                [&self.q, &self.kv[layer], &self.sinks[layer]],
+                (&self.rows, &self.offs),
+                &mut self.out,
+                &mut self.scratch,
+                (n_heads, head_dim, n),
+                scale,
+            )?;
+            self.g.dtoh_into(&self.out, out)
+        }
+    }
+
+    impl Drop for RowKv {
+        fn drop(&mut self) {
+            tier::give_kv(self.tier, self.bytes);
+        }
+    }
+
+    /// A row list for bs_cu_attn_rows*: offs ascends from 0 to rows.len(),
+    /// no query has more than `max_keys` rows (nor rows.len() more than
+    /// GPU_QUERIES × max_keys), and every row is below `have`.
+    fn check_rows(rows: &[i32], offs: &[i32], have: usize, max_keys: usize) -> Result<(), String> {
+        let ascending = offs
+            .windows(2)
+            .all(|w| w[0] <= w[1] && (w[1] - w[0]) as usize <= max_keys);
+        if offs.first() != Some(&0)
+            || !ascending
+            || offs.last().map(|&o| o as usize) != Some(rows.len())
+            || rows.len() > GPU_QUERIES * max_keys
+        {
+            return Err(format!(
+                "attention over rows: offsets {offs:?} for {} rows (at most {max_keys} a query)",
+                rows.len()
+            ));
+        }
+        match rows.iter().find(|&&r| r < 0 || r as usize >= have) {
+            Some(r) => Err(format!("attention over rows: row {r} of {have}")),
+            None => Ok(()),
         }
     }
 
@@ -478,6 +670,7 @@ mod imp {
     enum Arg<'a> {
         U8(&'a DevBuf<u8>),
         F32(&'a DevBuf<f32>),
+        I32s(&'a DevBuf<i32>),
         U8Out(&'a mut DevBuf<u8>),
         F32Out(&'a mut DevBuf<f32>),
         I32(i32),
@@ -698,6 +891,7 @@ mod imp {
                         match a {
                             Arg::U8(DevBuf(Buf::Cuda(s))) => b.arg(s),
                             Arg::F32(DevBuf(Buf::Cuda(s))) => b.arg(s),
+                            Arg::I32s(DevBuf(Buf::Cuda(s))) => b.arg(s),
                             Arg::U8Out(DevBuf(Buf::Cuda(s))) => b.arg(s),
                             Arg::F32Out(DevBuf(Buf::Cuda(s))) => b.arg(s),
                             Arg::I32(v) => b.arg(&*v),
@@ -724,6 +918,7 @@ mod imp {
                         slots.push(match a {
                             Arg::U8(DevBuf(Buf::Host(v))) => v.as_ptr() as u64,
                             Arg::F32(DevBuf(Buf::Host(v))) => v.as_ptr() as u64,
+                            Arg::I32s(DevBuf(Buf::Host(v))) => v.as_ptr() as u64,
                             Arg::U8Out(DevBuf(Buf::Host(v))) => v.as_mut_ptr() as u64,
                             Arg::F32Out(DevBuf(Buf::Host(v))) => v.as_mut_ptr() as u64,
                             Arg::I32(v) => *v as u32 as u64,
@@ -1240,6 +1435,117 @@ mod imp {
             self.run(kernel, cfg, &mut args)
         }
 
+        /// Attention over listed rows on the GPU from host slices (what
+        /// [`RowKv::attend`] launches on its device rows): up to GPU_QUERIES
+        /// queries q [n][n_heads × head_dim], query j over rows[offs[j] ..
+        /// offs[j + 1]] of kv (rows of head_dim floats, K = V), with sinks
+        /// (n_heads). `kernel`: bs_cu_attn_rows or its specialisation.
+        #[allow(clippy::too_many_arguments)]
+        pub fn attn_rows(
+            &self,
+            kernel: &str,
+            q: &[f32],
+            kv: &[f32],
+            sinks: &[f32],
+            rows: &[i32],
+            offs: &[i32],
+            n_heads: usize,
+            head_dim: usize,
+            scale: f32,
+        ) -> Result<Vec<f32>, String> {
+            let shaped = format!("bs_cu_attn_rows_d{head_dim}_h{n_heads}");
+            if kernel != "bs_cu_attn_rows" && kernel != shaped {
+                return Err(format!(
+                    "{kernel} is not the row attention kernel for these shapes ({shaped})"
+                ));
+            }
+            let n = offs.len().saturating_sub(1);
+            let hw = n_heads * head_dim;
+            let have = kv.len().checked_div(head_dim).unwrap_or(0);
+            let max_keys = offs
+                .windows(2)
+                .map(|w| w[1].saturating_sub(w[0]) as usize)
+                .max()
+                .unwrap_or(0);
+            check_rows(rows, offs, have, max_keys.max(1))?;
+            if head_dim == 0
+                || n_heads == 0
+                || n == 0
+                || n > GPU_QUERIES
+                || q.len() != n * hw
+                || sinks.len() != n_heads
+                || [hw, kv.len(), n_heads * rows.len().max(1)]
+                    .iter()
+                    .any(|&v| v > i32::MAX as usize)
+            {
+                return Err(format!(
+                    "attention over rows: q {} (want {n} × {n_heads}×{head_dim}, at most {GPU_QUERIES} queries),                      kv {}, sinks {}",
+                    q.len(),
+                    kv.len(),
+                    sinks.len()
+                ));
+            }
+            let up = |s: &[f32]| self.htod(s, "copying to the GPU");
+            let (qd, kd, sd) = (up(q)?, up(kv)?, up(sinks)?);
+            let (rd, od) = (
+                self.htod(rows, "copying to the GPU")?,
+                self.htod(offs, "copying to the GPU")?,
+            );
+            let mut out = self.zeros::<f32>(n * hw)?;
+            let mut scratch = self.zeros::<f32>((n_heads * rows.len()).max(1))?;
+            // Checked above: n queries of n_heads × head_dim in q and out,
+            // sinks n_heads, offs ascending from 0 to rows.len() with every
+            // row below kv's (check_rows), scratch n_heads × rows.len().
+            self.rows_launch(
+                kernel,
+                [&qd, &kd, &sd],
+                (&rd, &od),
+                &mut out,
+                &mut scratch,
+                (n_heads, head_dim, n),
+                scale,
+            )?;
+            self.dtoh(&out)
+        }
+
+        /// Launch bs_cu_attn_rows* for `n` queries: `bufs` = q, kv, sinks;
+        /// `list` = rows, offs. The caller has checked that q and out hold n
+        /// rows of n_heads × head_dim floats, sinks n_heads, offs n + 1
+        /// ascending from 0 to the rows' count with every row inside kv,
+        /// scratch n_heads × that count, and every size below 2^31.
+        #[allow(clippy::too_many_arguments)]
+        fn rows_launch(
+            &self,
+            kernel: &str,
+            bufs: [&DevBuf<f32>; 3],
+            list: (&DevBuf<i32>, &DevBuf<i32>),
+            out: &mut DevBuf<f32>,
+            scratch: &mut DevBuf<f32>,
+            (n_heads, head_dim, n): (usize, usize, usize),
+            scale: f32,
+        ) -> Result<(), String> {
+            let cfg = LaunchConfig {
+                grid_dim: (n_heads as u32, n as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // The parameters of bs_cu_attn_rows* in order.
+            let mut args = vec![
+                Arg::F32(bufs[0]),
+                Arg::F32(bufs[1]),
+                Arg::F32(bufs[2]),
+                Arg::I32s(list.0),
+                Arg::I32s(list.1),
+                Arg::F32Out(out),
+                Arg::F32Out(scratch),
+                Arg::I32(n_heads as i32),
+                Arg::I32(head_dim as i32),
+                Arg::F32Val(scale),
+                Arg::I32(n as i32),
+            ];
+            self.run(kernel, cfg, &mut args)
+        }
+
         /// Copy the first `dst.len()` elements of `src` back.
         fn dtoh_into(&self, src: &DevBuf<f32>, dst: &mut [f32]) -> Result<(), String> {
             let n = dst.len();
@@ -1262,13 +1568,18 @@ mod imp {
         }
 
         /// Copy `src` into `dst` from element `at` on.
-        fn htod_into(&self, src: &[f32], dst: &mut DevBuf<f32>, at: usize) -> Result<(), String> {
+        fn htod_into<T: DeviceRepr + Copy>(
+            &self,
+            src: &[T],
+            dst: &mut DevBuf<T>,
+            at: usize,
+        ) -> Result<(), String> {
             let end = at
                 .checked_add(src.len())
                 .filter(|&e| e <= dst.len())
                 .ok_or_else(|| {
                     format!(
-                        "copying {} floats to the GPU at {at}: the buffer holds {}",
+                        "copying {} values to the GPU at {at}: the buffer holds {}",
                         src.len(),
                         dst.len()
                     )
@@ -1306,7 +1617,7 @@ mod imp {
 }
 
 #[cfg(feature = "cuda")]
-pub use imp::{emulator, emulator_selftest, gpu, DevBuf, DevMat, Gpu, KvMirror};
+pub use imp::{emulator, emulator_selftest, gpu, DevBuf, DevMat, Gpu, KvMirror, RowKv};
 
 /// The VRAM tier: matrices made resident on the GPU, found again by the
 /// address and length of their weight bytes (the model's memory map, which
@@ -1495,15 +1806,58 @@ pub fn status_line() -> String {
 /// (attention on the GPU); a longer one keeps its attention on the CPU.
 pub const GPU_KV_TOKENS: usize = 4096;
 
-/// What attention on the GPU needs to know of a model: its layers, heads
-/// and context length.
+/// Queries one attention launch takes: a prefill step's go this many at a
+/// time ([`KvMirror`], [`RowKv`]).
+pub const GPU_QUERIES: usize = 16;
+
+/// What attention on the GPU sets aside for a model: device room for the
+/// keys of one sequence of up to `tokens` positions, `bytes` in all.
 #[derive(Debug, Clone, Copy)]
 pub struct GpuAttention {
-    pub layers: usize,
+    pub tokens: usize,
+    pub bytes: u64,
+}
+
+/// Device bytes a [`KvMirror`] of `layers` layers for `capacity` positions
+/// takes: the keys and values, and one launch's queries, outputs and scores.
+pub fn kv_mirror_bytes(
+    layers: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    capacity: usize,
+) -> u64 {
+    let w = (n_kv_heads * head_dim) as u64;
+    let qb = GPU_QUERIES as u64;
+    4 * (2 * layers as u64 * capacity as u64 * w
+        + 2 * qb * (n_heads * head_dim) as u64
+        + qb * n_heads as u64 * capacity.max(1) as u64)
+}
+
+/// The shape of a [`RowKv`]: per layer, how many rows of `head_dim` floats
+/// it keeps; the heads of a query; the most keys one query attends to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowKvGeo {
+    pub layer_rows: Vec<usize>,
     pub n_heads: usize,
-    pub n_kv_heads: usize,
     pub head_dim: usize,
-    pub context: usize,
+    pub max_keys: usize,
+}
+
+impl RowKvGeo {
+    /// Device bytes: the rows and each layer's sinks, and one launch's
+    /// queries, outputs, scores and row lists.
+    pub fn bytes(&self) -> u64 {
+        let (q, h, hd) = (
+            GPU_QUERIES as u64,
+            self.n_heads as u64,
+            self.head_dim as u64,
+        );
+        let rows: u64 = self.layer_rows.iter().map(|&r| r as u64).sum();
+        let layers = self.layer_rows.len() as u64;
+        let keys = self.max_keys.max(1) as u64;
+        4 * (rows * hd + layers * h + 2 * q * h * hd + q * h * keys + q * keys + q + 1)
+    }
 }
 
 /// Without the `cuda` feature there is no GPU to keep a KV cache on: no
@@ -1547,6 +1901,39 @@ impl KvMirror {
     }
 }
 
+/// Without the `cuda` feature there is no GPU to keep key rows on: no
+/// value of this type exists.
+#[cfg(not(feature = "cuda"))]
+pub enum RowKv {}
+
+#[cfg(not(feature = "cuda"))]
+impl RowKv {
+    pub fn new(
+        _tier: u32,
+        _geo: RowKvGeo,
+        _sinks: &[&[f32]],
+        _specialised: bool,
+    ) -> Result<RowKv, String> {
+        Err("not built with CUDA".into())
+    }
+
+    pub fn write(&mut self, _layer: usize, _row0: usize, _data: &[f32]) -> Result<(), String> {
+        match *self {}
+    }
+
+    pub fn attend(
+        &mut self,
+        _layer: usize,
+        _q: &[f32],
+        _rows: &[i32],
+        _offs: &[i32],
+        _scale: f32,
+        _out: &mut [f32],
+    ) -> Result<(), String> {
+        match *self {}
+    }
+}
+
 /// Put the model's weights in the VRAM tier ([`crate::placement`]): Ok(None)
 /// when there is no GPU (the status line already said why) and no budget was
 /// asked for; Ok(Some(line)) says what went where.
@@ -1567,19 +1954,11 @@ pub fn place_model(
             None => free.saturating_sub(1 << 30),
         };
         let id = tier::new_tier();
-        // Attention on the GPU (models whose engine can take it) keeps its
-        // KV cache there: room for one sequence of up to GPU_KV_TOKENS
-        // positions is set aside after the dense matrices.
+        // Attention on the GPU keeps its keys there: room for one sequence
+        // of up to GPU_KV_TOKENS positions is set aside after the dense
+        // matrices.
         let kv_geo = eng.gpu_attention();
-        let kv_reserve = kv_geo.map_or(0, |a| {
-            KvMirror::bytes_for(
-                a.layers,
-                a.n_heads,
-                a.n_kv_heads,
-                a.head_dim,
-                a.context.min(GPU_KV_TOKENS),
-            )
-        });
+        let kv_reserve = kv_geo.bytes;
         let p = {
             let items = eng.placement_items();
             let only: Vec<crate::placement::Item> = items.iter().map(|(i, _)| i.clone()).collect();
@@ -1609,15 +1988,14 @@ pub fn place_model(
         tier::reserve_kv(id, p.kv);
         eng.set_tier(id);
         let attention = match kv_geo {
-            None => "attention on the CPU (this model's attention has no GPU path)".to_string(),
-            Some(a) if p.kv > 0 => format!(
+            a if p.kv > 0 => format!(
                 "attention on the GPU for sequences of up to {} tokens ({} set aside for their KV cache)",
-                a.context.min(GPU_KV_TOKENS),
+                a.tokens,
                 crate::inspect::human_bytes(p.kv)
             ),
-            Some(a) => format!(
+            a => format!(
                 "attention on the CPU (its KV cache for {} tokens, {}, does not fit after the dense matrices)",
-                a.context.min(GPU_KV_TOKENS),
+                a.tokens,
                 crate::inspect::human_bytes(kv_reserve)
             ),
         };

@@ -348,10 +348,30 @@ impl CompState {
 }
 
 struct LayerState {
-    /// The last `sliding_window` K=V rows, position p at row p % window.
+    /// K=V rows of the last positions, position p at row p % ring, where
+    /// ring = sliding_window + GPU_QUERIES: the rows a query reads stay for
+    /// the next GPU_QUERIES positions, so a group of queries sent to the GPU
+    /// together (or taken back to the CPU if that fails) still finds them.
     window: Vec<f32>,
     comp: Option<CompState>,
     index: Option<CompState>,
+}
+
+impl LayerState {
+    /// The keys (= values) of one query from its row list (see
+    /// [`Dsv4Cache`]'s `gpu`), in order.
+    fn keys(&self, rows: &[i32], ring: usize, hd: usize) -> Vec<f32> {
+        let mut keys = Vec::with_capacity(rows.len() * hd);
+        for &r in rows {
+            let r = r as usize;
+            let src = match (r.checked_sub(ring), &self.comp) {
+                (Some(e), Some(cs)) => &cs.entries[e * hd..(e + 1) * hd],
+                _ => &self.window[r * hd..(r + 1) * hd],
+            };
+            keys.extend_from_slice(src);
+        }
+        keys
+    }
 }
 
 /// The state of one sequence: sliding-window KV rows, compressor buffers
@@ -361,6 +381,24 @@ pub struct Dsv4Cache {
     /// Tokens already processed.
     pub len: usize,
     pub capacity: usize,
+    /// With a VRAM tier: the same key rows on the GPU, where this sequence's
+    /// attention then runs (the indexer's choice stays on the CPU). Row r of
+    /// a layer is window row r below the ring, compressed entry r − ring
+    /// above it. The CPU rows are always kept, so a failed GPU call falls
+    /// back without losing anything.
+    gpu: Option<Box<crate::gpu::RowKv>>,
+}
+
+impl Dsv4Cache {
+    /// Whether this sequence's attention runs on the GPU.
+    pub fn attention_on_gpu(&self) -> bool {
+        self.gpu.is_some()
+    }
+}
+
+/// Rows of the window ring ([`LayerState::window`]).
+fn ring(window: usize) -> usize {
+    window + crate::gpu::GPU_QUERIES
 }
 
 pub struct Dsv4Model<'m> {
@@ -810,7 +848,51 @@ impl<'m> Dsv4Model<'m> {
         self.mats().iter().all(|m| m.in_place())
     }
 
-    /// An empty cache for up to `capacity` tokens (checked against the context).
+    /// The key rows a sequence of `capacity` tokens keeps per layer on the
+    /// GPU ([`Dsv4Cache`]'s `gpu`): the window ring, then one row per
+    /// compressed entry; and the most keys a query attends to (its window
+    /// plus, on CSA layers, the indexer's top-k; on HCA layers every entry).
+    fn row_kv_geo(&self, capacity: usize) -> crate::gpu::RowKvGeo {
+        let ring = ring(self.window);
+        let mut max_keys = self.window;
+        let layer_rows = self
+            .layers
+            .iter()
+            .map(|l| {
+                let entries = l.comp.as_ref().map_or(0, |c| capacity / c.ratio);
+                let seen = match l.indexer {
+                    Some(_) => entries.min(self.index_topk),
+                    None => entries,
+                };
+                max_keys = max_keys.max(self.window + seen);
+                ring + entries
+            })
+            .collect();
+        crate::gpu::RowKvGeo {
+            layer_rows,
+            n_heads: self.heads,
+            head_dim: self.head_dim,
+            max_keys,
+        }
+    }
+
+    /// What attention on the GPU sets aside: the key rows of a sequence of
+    /// min(context, GPU_KV_TOKENS) tokens.
+    pub fn gpu_attention(&self) -> crate::gpu::GpuAttention {
+        let tokens = self
+            .model
+            .config
+            .max_position_embeddings
+            .min(crate::gpu::GPU_KV_TOKENS);
+        crate::gpu::GpuAttention {
+            tokens,
+            bytes: self.row_kv_geo(tokens).bytes(),
+        }
+    }
+
+    /// An empty cache for up to `capacity` tokens (checked against the
+    /// context). With a VRAM tier whose KV reservation holds it, its
+    /// attention runs on the GPU.
     pub fn new_cache(&self, capacity: usize) -> Result<Dsv4Cache, EngineError> {
         let limit = self.model.config.max_position_embeddings;
         if capacity > limit {
@@ -824,15 +906,40 @@ impl<'m> Dsv4Model<'m> {
             .layers
             .iter()
             .map(|l| LayerState {
-                window: vec![0.0; self.window * self.head_dim],
+                window: vec![0.0; ring(self.window) * self.head_dim],
                 comp: l.comp.as_ref().map(CompState::new),
                 index: l.indexer.as_ref().map(|i| CompState::new(&i.comp)),
             })
             .collect();
+        let gpu = if self.kernels.tier() != 0 {
+            let shape = crate::plan::AttnShape {
+                head_dim: self.head_dim,
+                n_heads: self.heads,
+                n_kv_heads: 1,
+            };
+            let specialised = self.kernels.attn_kernel(shape).shape.is_some();
+            let sinks: Vec<&[f32]> = self.layers.iter().map(|l| &l.sinks[..]).collect();
+            match crate::gpu::RowKv::new(
+                self.kernels.tier(),
+                self.row_kv_geo(capacity),
+                &sinks,
+                specialised,
+            ) {
+                Ok(m) => Some(Box::new(m)),
+                Err(e) => {
+                    static SAID: std::sync::Once = std::sync::Once::new();
+                    SAID.call_once(|| eprintln!("CUDA: attention on the CPU: {e}"));
+                    None
+                }
+            }
+        } else {
+            None
+        };
         Ok(Dsv4Cache {
             layers,
             len: 0,
             capacity,
+            gpu,
         })
     }
 
@@ -973,7 +1080,7 @@ impl<'m> Dsv4Model<'m> {
             let HcMix { pre, post, comb } = self.hc_weights(&layer.attn_hc, &x, n)?;
             let mut a = self.collapse(&pre, &x, n);
             rms_norm(&mut a, &layer.attn_norm, self.eps);
-            let o = self.attention(layer, state, &a, n, pos0)?;
+            let o = self.attention(layer, state, (li, &mut cache.gpu), &a, n, pos0)?;
             self.expand(&post, &comb, &mut x, &o, n);
 
             let HcMix { pre, post, comb } = self.hc_weights(&layer.ffn_hc, &x, n)?;
@@ -1018,6 +1125,7 @@ impl<'m> Dsv4Model<'m> {
         &self,
         l: &Layer,
         st: &mut LayerState,
+        (li, gpu): (usize, &mut Option<Box<crate::gpu::RowKv>>),
         a: &[f32],
         n: usize,
         pos0: usize,
@@ -1079,14 +1187,22 @@ impl<'m> Dsv4Model<'m> {
         };
         let scale = (hd as f64).powf(-0.5) as f32;
         let softmax_scale = (id as f64).powf(-0.5) as f32;
-        let w = self.window;
+        let (w, ring) = (self.window, ring(self.window));
         let mut att = scratch::stale(n * h * hd);
-        let mut keys: Vec<f32> = Vec::new();
         let mut scores: Vec<f32> = Vec::new();
         let mut dots: Vec<f32> = Vec::new();
+        // Each query's keys as rows (below `ring`: window row, above:
+        // compressed entry row − ring), offs[j]..offs[j+1] for query g0 + j.
+        // On the CPU a query runs as soon as its list is made; on the GPU
+        // up to GPU_QUERIES of them go in one launch.
+        let mut rows: Vec<i32> = Vec::new();
+        let mut offs: Vec<i32> = vec![0];
+        let mut g0 = 0;
+        let mut sent = st.comp.as_ref().map_or(0, |cs| cs.count(hd));
         for t in 0..n {
             let p = pos0 + t;
-            st.window[(p % w) * hd..(p % w + 1) * hd].copy_from_slice(&kv[t * hd..(t + 1) * hd]);
+            st.window[(p % ring) * hd..(p % ring + 1) * hd]
+                .copy_from_slice(&kv[t * hd..(t + 1) * hd]);
             if let (Some(c), Some(cs), Some((ckv, cg))) = (&l.comp, st.comp.as_mut(), &comp_proj) {
                 let cw = c.width();
                 cs.push(
@@ -1113,11 +1229,8 @@ impl<'m> Dsv4Model<'m> {
             }
             // Keys: the sliding window (positions p−w+1 ..= p, in order), then
             // the compressed entries this query sees.
-            keys.clear();
             let lo = (p + 1).saturating_sub(w);
-            for j in lo..=p {
-                keys.extend_from_slice(&st.window[(j % w) * hd..(j % w + 1) * hd]);
-            }
+            rows.extend((lo..=p).map(|j| (j % ring) as i32));
             if let Some(cs) = &st.comp {
                 let visible = cs.count(hd);
                 match (&st.index, &index_proj) {
@@ -1135,32 +1248,82 @@ impl<'m> Dsv4Model<'m> {
                         )?;
                         let mut chosen = top_k(&scores, self.index_topk);
                         chosen.sort_unstable();
-                        for e in chosen {
-                            keys.extend_from_slice(&cs.entries[e * hd..(e + 1) * hd]);
-                        }
+                        rows.extend(chosen.into_iter().map(|e| (ring + e) as i32));
                     }
                     // HCA, or a CSA query that sees no more than top-k entries: all of them.
-                    _ => keys.extend_from_slice(&cs.entries[..visible * hd]),
+                    _ => rows.extend((ring..ring + visible).map(|r| r as i32)),
                 }
             }
-            let args = AttnArgs {
-                q: &q[t * h * hd..(t + 1) * h * hd],
-                k: &keys,
-                v: &keys,
-                sinks: Some(&l.sinks),
-                n_heads: h,
-                n_kv_heads: 1,
-                head_dim: hd,
-                kv_stride: hd,
-                kv_head_stride: hd,
-                t_len: keys.len() / hd,
-                window: 0,
-                scale,
+            offs.push(rows.len() as i32);
+            if gpu.is_some() && offs.len() <= crate::gpu::GPU_QUERIES && t + 1 < n {
+                continue;
+            }
+            // Queries g0 ..= t: on the GPU (their new rows first), else or
+            // if that fails on the CPU.
+            let qs = &q[g0 * h * hd..(t + 1) * h * hd];
+            let out = &mut att[g0 * h * hd..(t + 1) * h * hd];
+            let on_gpu = match gpu.as_mut() {
+                Some(m) => {
+                    let now = st.comp.as_ref().map_or(0, |cs| cs.count(hd));
+                    let sent_now = sent;
+                    let res = (|| {
+                        // Window rows of positions pos0+g0 ..= p: one run, or
+                        // two where the ring wraps.
+                        let (mut at, end) = (pos0 + g0, p + 1);
+                        while at < end {
+                            let slot = at % ring;
+                            let len = (ring - slot).min(end - at);
+                            m.write(li, slot, &st.window[slot * hd..(slot + len) * hd])?;
+                            at += len;
+                        }
+                        if let Some(cs) = &st.comp {
+                            m.write(li, ring + sent_now, &cs.entries[sent_now * hd..now * hd])?;
+                        }
+                        m.attend(li, qs, &rows, &offs, scale, out)
+                    })();
+                    sent = now;
+                    match res {
+                        Ok(()) => true,
+                        Err(e) => {
+                            super::gpu_failed(&e);
+                            *gpu = None;
+                            false
+                        }
+                    }
+                }
+                None => false,
             };
-            let out = &mut att[t * h * hd..(t + 1) * h * hd];
-            k.attn_decode(&args, out)?;
-            // V = K carries rope: rotate the output back by −p.
-            rope.table(p, &mut tbl);
+            if !on_gpu {
+                for ((qj, oj), se) in qs
+                    .chunks_exact(h * hd)
+                    .zip(out.chunks_exact_mut(h * hd))
+                    .zip(offs.windows(2))
+                {
+                    let keys = st.keys(&rows[se[0] as usize..se[1] as usize], ring, hd);
+                    let args = AttnArgs {
+                        q: qj,
+                        k: &keys,
+                        v: &keys,
+                        sinks: Some(&l.sinks),
+                        n_heads: h,
+                        n_kv_heads: 1,
+                        head_dim: hd,
+                        kv_stride: hd,
+                        kv_head_stride: hd,
+                        t_len: keys.len() / hd,
+                        window: 0,
+                        scale,
+                    };
+                    k.attn_decode(&args, oj)?;
+                }
+            }
+            rows.clear();
+            offs.truncate(1);
+            g0 = t + 1;
+        }
+        // V = K carries rope: rotate each output back by −p.
+        for (t, out) in att.chunks_exact_mut(h * hd).enumerate() {
+            rope.table(pos0 + t, &mut tbl);
             for head in out.chunks_exact_mut(hd) {
                 rope.rotate(head, &tbl, true);
             }

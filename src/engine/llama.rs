@@ -289,14 +289,23 @@ impl<'m> LlamaModel<'m> {
         b
     }
 
-    /// What attention on the GPU needs: layers, heads, context.
+    /// What attention on the GPU sets aside: a KV mirror
+    /// ([`crate::gpu::KvMirror`]) for min(context, GPU_KV_TOKENS) positions.
     pub fn gpu_attention(&self) -> crate::gpu::GpuAttention {
+        let tokens = self
+            .model
+            .config
+            .max_position_embeddings
+            .min(crate::gpu::GPU_KV_TOKENS);
         crate::gpu::GpuAttention {
-            layers: self.layers.len(),
-            n_heads: self.heads,
-            n_kv_heads: self.kv_heads,
-            head_dim: self.head_dim,
-            context: self.model.config.max_position_embeddings,
+            tokens,
+            bytes: crate::gpu::kv_mirror_bytes(
+                self.layers.len(),
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
+                tokens,
+            ),
         }
     }
 
@@ -431,7 +440,7 @@ impl<'m> LlamaModel<'m> {
             }
             if let Some(m) = cache.gpu.as_mut() {
                 if let Err(e) = m.append(li, pos0, &kk, &vv) {
-                    gpu_failed(&e);
+                    super::gpu_failed(&e);
                     cache.gpu = None;
                 }
             }
@@ -444,7 +453,7 @@ impl<'m> LlamaModel<'m> {
             {
                 Some(Ok(())) => true,
                 Some(Err(e)) => {
-                    gpu_failed(&e);
+                    super::gpu_failed(&e);
                     cache.gpu = None;
                     false
                 }
@@ -545,11 +554,4 @@ impl<'m> LlamaModel<'m> {
             }
         }
     }
-}
-
-/// A GPU attention call failed: said once, and that sequence's attention
-/// goes back to the CPU (its own copy of the cache is complete).
-fn gpu_failed(e: &str) {
-    static SAID: std::sync::Once = std::sync::Once::new();
-    SAID.call_once(|| eprintln!("CUDA: attention on the GPU failed ({e}); running it on the CPU"));
 }

@@ -751,3 +751,10 @@ mod swiglu_tests {
         }
     }
 }
+
+/// A GPU attention call failed: said once, and that sequence's attention
+/// goes back to the CPU (its own copy of the keys is complete).
+fn gpu_failed(e: &str) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| eprintln!("CUDA: attention on the GPU failed ({e}); running it on the CPU"));
+}
