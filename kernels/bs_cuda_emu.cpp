@@ -63,8 +63,19 @@ struct Fiber {
     char *stack;
 };
 
+/* An array bs_emu_cvta_shared gave a slot of the shared window. */
+struct Smem {
+    const unsigned char *p;
+    size_t bytes;
+};
+const uint32_t SMEM_SLOT = 32 << 10, SMEM_SLOTS = 8;
+
 struct Emu {
     std::vector<Fiber> fibers;
+    std::vector<Smem> smem;
+    /* Set by bs_emu_trap: the launch fails with this. */
+    bool trapped = false;
+    char trap[160];
     std::vector<uint32_t> slots;  /* [warp][parity][lane] */
     std::vector<uint32_t> gather; /* [warp][parity][lane][GATHER_WORDS] */
     Fiber *cur = nullptr;
@@ -222,8 +233,14 @@ int run_block(size_t nthreads, char *err, size_t errlen)
         prime(f);
     }
     for (;;) {
-        for (size_t i = 0; i < nthreads; ++i)
+        for (size_t i = 0; i < nthreads; ++i) {
             if (emu.fibers[i].state == RUN) to_fiber(&emu.fibers[i]);
+            if (emu.trapped) {
+                say(err, errlen, "block (%u,%u,%u) thread %zu: %s", bs_emu_block.x, bs_emu_block.y, bs_emu_block.z,
+                    i, emu.trap);
+                return 1;
+            }
+        }
         bool released = false;
         for (size_t w = 0; w < nwarps; ++w) {
             const size_t lo = w * 32, hi = lo + 32 < nthreads ? lo + 32 : nthreads;
@@ -296,6 +313,34 @@ void bs_emu_warp_gather(const uint32_t *mine, int words, uint32_t *all)
     ++f->gather_n;
 }
 
+void bs_emu_trap(const char *why)
+{
+    snprintf(emu.trap, sizeof emu.trap, "%s", why);
+    emu.trapped = true;
+    park(DONE); /* never resumed: the launch ends here */
+    abort();
+}
+
+uint32_t bs_emu_cvta_shared(const void *p, size_t bytes)
+{
+    if ((uintptr_t)p % 16 != 0) bs_emu_trap("a shared-memory descriptor's array is not 16-byte aligned");
+    if (bytes > SMEM_SLOT) bs_emu_trap("a shared-memory array over the emulator's 32 KiB slot");
+    const unsigned char *b = (const unsigned char *)p;
+    for (size_t i = 0; i < emu.smem.size(); ++i)
+        if (emu.smem[i].p == b && emu.smem[i].bytes == bytes) return (uint32_t)i * SMEM_SLOT;
+    if (emu.smem.size() == SMEM_SLOTS) bs_emu_trap("more shared-memory arrays in descriptors than the emulator's 8");
+    emu.smem.push_back(Smem{b, bytes});
+    return (uint32_t)(emu.smem.size() - 1) * SMEM_SLOT;
+}
+
+const unsigned char *bs_emu_shared_at(uint32_t addr, size_t bytes)
+{
+    const uint32_t slot = addr / SMEM_SLOT, off = addr % SMEM_SLOT;
+    if (slot >= emu.smem.size() || off + bytes > emu.smem[slot].bytes)
+        bs_emu_trap("a descriptor reads shared memory outside the array it was made from");
+    return emu.smem[slot].p + off;
+}
+
 /* Launch kernel `name` over grid[3] blocks of block[3] threads with the
  * driver's argument convention (args[i] points at parameter i's value).
  * 0: done; 1: unknown kernel or bad geometry; 2: the kernel failed (a wait
@@ -330,6 +375,8 @@ extern "C" int bs_emu_launch(const char *name, const unsigned grid[3], const uns
     }
     emu.slots.assign((nthreads + 31) / 32 * 64, 0);
     emu.gather.assign((nthreads + 31) / 32 * 64 * GATHER_WORDS, 0);
+    emu.smem.clear();
+    emu.trapped = false;
     emu.thunk = thunk;
     emu.args = args;
     bs_emu_bdim = bs_dim3{block[0], block[1], block[2]};

@@ -6,10 +6,11 @@
  * block or warp (kernels/bs_cuda_emu.cpp runs a block's threads as fibers,
  * one at a time, switching at these points).
  *
- * The tensor-core paths it computes (the mma.sync of plan::cuda::EMU_TC:
- * BF16, INT8, FP8 and block-scaled MXFP4) follow the PTX ISA's fragment
- * layouts; the others are compiled out of its rendering. What it does not
- * emulate: wgmma and tcgen05, the tensor cores' own summation order, the
+ * The tensor-core paths it computes (plan::cuda::EMU_TC: the mma.sync of
+ * BF16, INT8, FP8 and block-scaled MXFP4, and wgmma m64n8k16 BF16 with a
+ * no-swizzle shared-memory descriptor) follow the PTX ISA's fragment and
+ * descriptor layouts; the others are compiled out of its rendering. What it
+ * does not emulate: tcgen05, the tensor cores' own summation order, the
  * memory model beyond "every thread sees every write made before the last
  * barrier", and nvcc's code generation. */
 #ifndef BS_CUDA_EMU_H
@@ -25,6 +26,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
 /* Shared memory: one copy per kernel, and blocks run one after another. */
 #define __shared__ static
 /* The rendered source's tensor-core wrappers call the emulator's mma. */
@@ -248,6 +250,51 @@ static inline void bs_emu_mma_mxf4(float c[4], const uint32_t a[4], const uint32
         for (int k = 0; k < 64; ++k) B[k][n] *= bs_emu_ue8m0((s >> (8 * (k / 32))) & 0xFFu);
     }
     bs_emu_accumulate(c, A, B, 64);
+}
+
+/* Fail the launch: the running thread stops here, and bs_emu_launch returns
+ * 2 with `why` (a kernel asked for something the emulator does not model, or
+ * that would read outside its memory). */
+[[noreturn]] void bs_emu_trap(const char *why);
+
+/* Shared-memory addresses for descriptors. On the GPU a descriptor holds an
+ * address in the 256 KiB shared window; here each array a kernel converts
+ * (16-byte aligned, `bytes` long, at most 32 KiB) gets a 32 KiB slot of
+ * such a window for the launch, and bs_emu_shared_at maps an address back,
+ * failing the launch if `bytes` from it leave the array. */
+uint32_t bs_emu_cvta_shared(const void *p, size_t bytes);
+const unsigned char *bs_emu_shared_at(uint32_t addr, size_t bytes);
+
+/* wgmma.mma_async m64n8k16 .f32.bf16.bf16 with A from registers, B through
+ * a shared-memory descriptor, scale-d 1, scale-a and scale-b 1, B not
+ * transposed (K-major), as bs_tc_wgmma_* issues it: D = A B + D. A and D
+ * are per warp of the warpgroup: warp w holds rows 16 w .. 16 w + 15 in the
+ * layout of mma.sync m16n8k16 (above), so each warp's D needs only its own
+ * A. The descriptor (the PTX ISA's matrix descriptor): bits 0-13 the start
+ * address, 16-29 the leading dimension byte offset (LBO), 32-45 the stride
+ * dimension byte offset (SBO), each in 16-byte units; 49-51 the base offset
+ * and 62-63 the swizzle mode, both 0 here. B without swizzle, K-major, is
+ * made of 8 x 8 core matrices, each 8 rows (N) of 16 contiguous bytes (8
+ * values along K): element (k, n) at start + (k / 8) LBO + (n / 8) SBO +
+ * 16 (n % 8) + 2 (k % 8). (N = 8: one core matrix along N; SBO unused.) */
+static inline void bs_emu_wgmma_bf16(float d[4], const uint32_t a[4], uint64_t desc)
+{
+    if ((desc >> 62) != 0 || ((desc >> 49) & 7u) != 0)
+        bs_emu_trap("wgmma: a swizzled or base-offset descriptor (the emulator reads the no-swizzle layout only)");
+    const uint32_t start = (uint32_t)(desc & 0x3FFFu) << 4, lbo = (uint32_t)((desc >> 16) & 0x3FFFu) << 4;
+    const uint32_t mine[6] = {a[0], a[1], a[2], a[3], 0u, 0u};
+    uint32_t all[32 * 6];
+    bs_emu_warp_gather(mine, 6, all);
+    double A[16][64], B[64][8];
+    const auto bf16 = [](uint32_t h) { return (double)__uint_as_float(h << 16); };
+    bs_emu_fragments<2>(all, 6, A, B, bf16);
+    for (int k = 0; k < 16; ++k)
+        for (int n = 0; n < 8; ++n) {
+            uint16_t h;
+            memcpy(&h, bs_emu_shared_at(start + (uint32_t)(k / 8) * lbo + 16u * (uint32_t)n + 2u * (uint32_t)(k % 8), 2), 2);
+            B[k][n] = bf16(h);
+        }
+    bs_emu_accumulate(d, A, B, 16);
 }
 
 /* A kernel called with the driver's argument convention: args[i] points at
