@@ -862,15 +862,15 @@ impl CaseId {
 }
 
 /// An attention case: the shape, whether it has sinks, where it comes from.
-struct AttnCase {
-    shape: crate::plan::AttnShape,
-    sinks: bool,
-    origin: String,
+pub(crate) struct AttnCase {
+    pub shape: crate::plan::AttnShape,
+    pub sinks: bool,
+    pub origin: String,
 }
 
 /// The attention shapes of a shape set: the build's specialised ones for
 /// the default set, else the model's.
-fn attn_cases(set: &ShapeSet) -> Result<Vec<AttnCase>, String> {
+pub(crate) fn attn_cases(set: &ShapeSet) -> Result<Vec<AttnCase>, String> {
     if let Some(cfg) = set_config(set)? {
         let origin = match set {
             ShapeSet::Dsv4Flash => "dsv4-flash attention",

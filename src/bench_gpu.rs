@@ -1,7 +1,8 @@
 //! `bespoke bench gpu`: the CUDA kernels at the benchmark's shapes on the GPU
 //! in this machine: time per call, GB/s of weights read against the card's
 //! peak memory bandwidth (memory clock × bus width), and GFLOP/s for the
-//! batched and tensor-core paths.
+//! batched and tensor-core paths; then the attention kernels at the set's
+//! attention shapes over a VRAM tier's cache length (GB/s of keys and values).
 
 use crate::bench::ShapeSet;
 use crate::plan::Format;
@@ -21,12 +22,29 @@ pub struct GpuRow {
     pub gflops: f64,
 }
 
+/// One attention kernel timed: the shape, the keys each query sees, the
+/// queries a launch takes, and GB/s of distinct keys and values read.
+#[derive(Debug, Clone, Serialize)]
+pub struct GpuAttnRow {
+    pub head_dim: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub origin: String,
+    pub kernel: String,
+    pub t_len: usize,
+    pub n_q: usize,
+    pub us: f64,
+    pub gbps: f64,
+    pub frac_peak: Option<f64>,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct GpuReport {
     pub device: String,
     pub image: String,
     pub peak_gbps: Option<f64>,
     pub rows: Vec<GpuRow>,
+    pub attention: Vec<GpuAttnRow>,
 }
 
 pub fn bench_gpu(set: &ShapeSet, formats: &[Format], quick: bool) -> Result<GpuReport, String> {
@@ -119,11 +137,70 @@ pub fn bench_gpu(set: &ShapeSet, formats: &[Format], quick: bool) -> Result<GpuR
             }
         }
         eprintln!();
+        // Attention at the set's shapes, over the keys a VRAM tier's cache
+        // holds (GPU_KV_TOKENS): a decode step, a causal launch of a
+        // prefill step's GPU_QUERIES queries, and (one KV head, DeepSeek
+        // V4) the row-list kernel with as many queries.
+        let t_len = if quick {
+            1024
+        } else {
+            crate::gpu::GPU_KV_TOKENS
+        };
+        let q = crate::gpu::GPU_QUERIES;
+        let mut attention = Vec::new();
+        for c in crate::bench::attn_cases(set)? {
+            let s = c.shape;
+            let specialised = plan.attn_shapes.contains(&s);
+            let mut families = vec![("decode", 1), ("causal", q)];
+            if s.n_kv_heads == 1 {
+                families.push(("rows", q));
+            }
+            for (f, n_q) in families {
+                let mut kernels = vec![format!("bs_cu_attn_{f}")];
+                if specialised {
+                    kernels.push(if f == "rows" {
+                        format!("bs_cu_attn_rows_d{}_h{}", s.head_dim, s.n_heads)
+                    } else {
+                        format!(
+                            "bs_cu_attn_{f}_d{}_h{}_kv{}",
+                            s.head_dim, s.n_heads, s.n_kv_heads
+                        )
+                    });
+                }
+                for k in kernels {
+                    eprint!("\r{k} t{t_len}                    ");
+                    let t = g.time_attention(&k, s, c.sinks, t_len, n_q, iters)?;
+                    // Distinct key and value bytes (K = V for the row list).
+                    let kv = if f == "rows" { 1 } else { 2 };
+                    let keys = if f == "causal" {
+                        t_len + n_q - 1
+                    } else {
+                        t_len
+                    };
+                    let bytes = (kv * keys * s.n_kv_heads * s.head_dim * 4) as f64;
+                    let gbps = bytes / t / 1e9;
+                    attention.push(GpuAttnRow {
+                        head_dim: s.head_dim,
+                        n_heads: s.n_heads,
+                        n_kv_heads: s.n_kv_heads,
+                        origin: c.origin.clone(),
+                        kernel: k,
+                        t_len,
+                        n_q,
+                        us: t * 1e6,
+                        gbps,
+                        frac_peak: peak.map(|p| gbps * 1e9 / p),
+                    });
+                }
+            }
+        }
+        eprintln!();
         Ok(GpuReport {
             device: g.name.clone(),
             image: g.image.arch.to_string(),
             peak_gbps: peak.map(|p| p / 1e9),
             rows: rows_out,
+            attention,
         })
     }
 }
@@ -162,6 +239,29 @@ pub fn table(r: &GpuReport) -> String {
             x.gflops
         )
         .unwrap();
+    }
+    if !r.attention.is_empty() {
+        writeln!(
+            out,
+            "\n{:<14} {:<32} {:>6} {:>3} {:>10} {:>8} {:>7}",
+            "attention", "kernel", "keys", "q", "µs", "GB/s", "% peak"
+        )
+        .unwrap();
+        for a in &r.attention {
+            writeln!(
+                out,
+                "{:<14} {:<32} {:>6} {:>3} {:>10.2} {:>8.1} {:>7}",
+                format!("d{} h{} kv{}", a.head_dim, a.n_heads, a.n_kv_heads),
+                a.kernel,
+                a.t_len,
+                a.n_q,
+                a.us,
+                a.gbps,
+                a.frac_peak
+                    .map_or("-".into(), |f| format!("{:.0}%", f * 100.0))
+            )
+            .unwrap();
+        }
     }
     out
 }

@@ -1033,6 +1033,127 @@ mod imp {
             self.dtoh(&y)
         }
 
+        /// Seconds per launch of an attention kernel at `shape` over t_len
+        /// keys: `kernel` bs_cu_attn_decode* (one query, sinks if `sinks`),
+        /// bs_cu_attn_causal* (n_q queries from position t_len, so query j
+        /// sees t_len + j) or bs_cu_attn_rows* (one KV head, n_q queries
+        /// each over rows 0 .. t_len − 1 in order, with sinks). Inputs are
+        /// uploaded once; `iters` launches, then one synchronize.
+        pub fn time_attention(
+            &self,
+            kernel: &str,
+            shape: crate::plan::AttnShape,
+            sinks: bool,
+            t_len: usize,
+            n_q: usize,
+            iters: usize,
+        ) -> Result<f64, String> {
+            let crate::plan::AttnShape {
+                head_dim,
+                n_heads,
+                n_kv_heads,
+            } = shape;
+            // The kernel must be one of these (its parameters and, for a
+            // specialisation, its baked-in shape are what is launched).
+            let shaped = |f: &str| {
+                if f == "rows" {
+                    format!("bs_cu_attn_rows_d{head_dim}_h{n_heads}")
+                } else {
+                    format!("bs_cu_attn_{f}_d{head_dim}_h{n_heads}_kv{n_kv_heads}")
+                }
+            };
+            let family = ["decode", "causal", "rows"]
+                .into_iter()
+                .find(|f| kernel == format!("bs_cu_attn_{f}") || kernel == shaped(f))
+                .ok_or_else(|| format!("{kernel} is not an attention kernel for this shape"))?;
+            let rows = family == "rows";
+            let n_q = if family == "decode" { 1 } else { n_q };
+            let kvw = n_kv_heads * head_dim;
+            let keys = t_len + n_q;
+            if head_dim == 0
+                || n_heads == 0
+                || n_kv_heads == 0
+                || n_heads % n_kv_heads != 0
+                || t_len == 0
+                || n_q == 0
+                || (rows && (n_kv_heads != 1 || n_q > GPU_QUERIES))
+                || [keys * kvw, n_q * n_heads * keys, n_q * n_heads * head_dim]
+                    .iter()
+                    .any(|&v| v > i32::MAX as usize)
+            {
+                return Err(format!(
+                    "timing {kernel}: {n_heads} heads over {n_kv_heads} of {head_dim}, {t_len} keys, {n_q} queries"
+                ));
+            }
+            let fill = |n: usize, seed: usize| -> Vec<f32> {
+                (0..n)
+                    .map(|i| (((i * 7 + seed) % 23) as f32 - 11.0) / 16.0)
+                    .collect()
+            };
+            let q = self.htod(&fill(n_q * n_heads * head_dim, 1), "copying to the GPU")?;
+            let k = self.htod(&fill(keys * kvw, 2), "copying to the GPU")?;
+            let v = self.htod(&fill(keys * kvw, 3), "copying to the GPU")?;
+            let sk = self.htod(&fill(n_heads, 4), "copying to the GPU")?;
+            let mut out = self.zeros::<f32>(n_q * n_heads * head_dim)?;
+            let mut scratch = self.zeros::<f32>(n_q * n_heads * keys)?;
+            let scale = 1.0 / (head_dim as f32).sqrt();
+            let list: Vec<i32> = (0..n_q).flat_map(|_| 0..t_len as i32).collect();
+            let offs: Vec<i32> = (0..=n_q).map(|j| (j * t_len) as i32).collect();
+            let (rd, od) = (
+                self.htod(&list, "copying to the GPU")?,
+                self.htod(&offs, "copying to the GPU")?,
+            );
+            let launch = |out: &mut DevBuf<f32>, scratch: &mut DevBuf<f32>| {
+                // Sound by construction: q and out hold n_q rows of n_heads ×
+                // head_dim; k and v t_len + n_q rows of n_kv_heads × head_dim
+                // (every query of a causal launch sees at most t_len + n_q − 1
+                // of them; a row list t_len); sinks n_heads; scratch n_q ×
+                // n_heads × (t_len + n_q), at least what any of the three
+                // writes; offs ascend from 0 by t_len to list.len(), every
+                // row below t_len; all below 2^31 (checked above).
+                if rows {
+                    self.rows_launch(
+                        kernel,
+                        [&q, &k, &sk],
+                        (&rd, &od),
+                        out,
+                        scratch,
+                        (n_heads, head_dim, n_q),
+                        scale,
+                    )
+                } else {
+                    let causal = family == "causal";
+                    self.attn_launch(
+                        kernel,
+                        &q,
+                        &k,
+                        &v,
+                        (sinks && !causal).then_some(&sk),
+                        out,
+                        scratch,
+                        AttnGeo {
+                            n_heads,
+                            n_kv_heads,
+                            head_dim,
+                            kv_stride: kvw,
+                            t_len,
+                            window: 0,
+                            scale,
+                            n_q: causal.then_some(n_q),
+                        },
+                    )
+                }
+            };
+            launch(&mut out, &mut scratch)?; // warm-up
+            self.synchronize()?;
+            let t = std::time::Instant::now();
+            for _ in 0..iters {
+                launch(&mut out, &mut scratch)?;
+            }
+            self.synchronize()?;
+            Ok(t.elapsed().as_secs_f64() / iters.max(1) as f64)
+        }
+
         /// Seconds per call of `kernel` on `m` with n columns of X (inputs
         /// uploaded once; `iters` launches, then one synchronize).
         pub fn time_product(

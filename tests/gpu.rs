@@ -670,6 +670,53 @@ fn attention_rows_on(g: &gpu::Gpu) {
     }
 }
 
+/// `bench gpu`'s attention timing (run on a GPU by tools/gpu-check.sh): each
+/// kernel family times on every device, and a kernel of another family or
+/// another shape is refused before anything is launched.
+#[test]
+fn attention_timing_launches_only_its_kernels() {
+    let plan = bespoke::report::build_plan();
+    for g in core_devices() {
+        let dev = device_name(g);
+        // tiny-dsv4's shape: one KV head, specialised in this build.
+        let s = bespoke::plan::AttnShape {
+            head_dim: 64,
+            n_heads: 8,
+            n_kv_heads: 1,
+        };
+        assert!(plan.attn_shapes.contains(&s));
+        for k in [
+            "bs_cu_attn_decode",
+            "bs_cu_attn_decode_d64_h8_kv1",
+            "bs_cu_attn_causal",
+            "bs_cu_attn_causal_d64_h8_kv1",
+            "bs_cu_attn_rows",
+            "bs_cu_attn_rows_d64_h8",
+        ] {
+            let t = g.time_attention(k, s, true, 40, 5, 2).unwrap();
+            assert!(t.is_finite() && t > 0.0, "{dev}: {k}: {t}");
+        }
+        let other = bespoke::plan::AttnShape { n_kv_heads: 2, ..s };
+        for (k, shape) in [
+            ("bs_cu_matvec_f32", s),
+            ("bs_cu_attn_decode_d64_h8_kv1", other),
+            (
+                "bs_cu_attn_rows_d64_h8",
+                bespoke::plan::AttnShape { n_heads: 4, ..s },
+            ),
+            ("bs_cu_attn_rows", other),
+        ] {
+            assert!(
+                g.time_attention(k, shape, false, 40, 5, 1).is_err(),
+                "{dev}: {k} at {shape:?}"
+            );
+        }
+        assert!(g
+            .time_attention("bs_cu_attn_rows", s, true, 40, 17, 1)
+            .is_err());
+    }
+}
+
 /// The CLI with the VRAM tier: `score` runs with the fixtures' matrices on the
 /// GPU (and on the emulator), says so, and gives the CPU's greedy choices
 /// with logits within 1e-3 of its own. (The full token-exact oracle checks

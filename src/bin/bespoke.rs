@@ -238,7 +238,10 @@ enum BenchWhat {
     /// The CUDA kernels on this machine's GPU (`cuda` builds): per shape and
     /// format, the CUDA-core matvec (generic and specialised) and matmul, and
     /// every tensor-core path the loaded image has, with time per call, GB/s
-    /// of weights against the card's peak memory bandwidth, and GFLOP/s.
+    /// of weights against the card's peak memory bandwidth, and GFLOP/s;
+    /// then the attention kernels (decode, a prefill step's causal launch,
+    /// and DeepSeek V4's row lists) at the set's attention shapes over 4096
+    /// keys (1024 with --quick), GB/s of keys and values.
     Gpu {
         /// Time every matrix of this model instead of the default set.
         #[arg(long, value_name = "DIR", conflicts_with = "shapes")]
