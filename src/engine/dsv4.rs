@@ -919,19 +919,15 @@ impl<'m> Dsv4Model<'m> {
             };
             let specialised = self.kernels.attn_kernel(shape).shape.is_some();
             let sinks: Vec<&[f32]> = self.layers.iter().map(|l| &l.sinks[..]).collect();
-            match crate::gpu::RowKv::new(
+            crate::gpu::RowKv::new(
                 self.kernels.tier(),
                 self.row_kv_geo(capacity),
                 &sinks,
                 specialised,
-            ) {
-                Ok(m) => Some(Box::new(m)),
-                Err(e) => {
-                    static SAID: std::sync::Once = std::sync::Once::new();
-                    SAID.call_once(|| eprintln!("CUDA: attention on the CPU: {e}"));
-                    None
-                }
-            }
+            )
+            .map_err(super::gpu_refused)
+            .ok()
+            .map(Box::new)
         } else {
             None
         };

@@ -329,7 +329,7 @@ impl<'m> LlamaModel<'m> {
                 n_kv_heads: self.kv_heads,
             };
             let specialised = self.kernels.attn_kernel(shape).shape.is_some();
-            match crate::gpu::KvMirror::new(
+            crate::gpu::KvMirror::new(
                 self.kernels.tier(),
                 self.layers.len(),
                 self.heads,
@@ -337,14 +337,10 @@ impl<'m> LlamaModel<'m> {
                 self.head_dim,
                 capacity,
                 specialised,
-            ) {
-                Ok(m) => Some(Box::new(m)),
-                Err(e) => {
-                    static SAID: std::sync::Once = std::sync::Once::new();
-                    SAID.call_once(|| eprintln!("CUDA: attention on the CPU: {e}"));
-                    None
-                }
-            }
+            )
+            .map_err(super::gpu_refused)
+            .ok()
+            .map(Box::new)
         } else {
             None
         };

@@ -758,3 +758,11 @@ fn gpu_failed(e: &str) {
     static SAID: std::sync::Once = std::sync::Once::new();
     SAID.call_once(|| eprintln!("CUDA: attention on the GPU failed ({e}); running it on the CPU"));
 }
+
+/// A sequence's keys could not go to the GPU (no room left in the tier's KV
+/// reservation, sizes the kernels cannot take, out of memory): said once,
+/// and its attention runs on the CPU.
+fn gpu_refused(e: String) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| eprintln!("CUDA: attention on the CPU: {e}"));
+}
