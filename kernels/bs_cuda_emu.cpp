@@ -68,11 +68,17 @@ struct Smem {
     const unsigned char *p;
     size_t bytes;
 };
-const uint32_t SMEM_SLOT = 32 << 10, SMEM_SLOTS = 8;
+const uint32_t SMEM_SLOT = 16 << 10, SMEM_SLOTS = 16;
+const uint32_t TMEM_LANES = 128, TMEM_COLS = 512;
 
 struct Emu {
     std::vector<Fiber> fibers;
     std::vector<Smem> smem;
+    /* Tensor memory [lane][column], the columns allocated and the block
+     * (its number in the launch, from 1) that allocated them. */
+    std::vector<uint32_t> tmem;
+    uint32_t tmem_cols = 0;
+    unsigned long block_n = 0, tmem_block = 0;
     /* Set by bs_emu_trap: the launch fails with this. */
     bool trapped = false;
     char trap[160];
@@ -221,6 +227,7 @@ void say(char *err, size_t len, const char *fmt, ...)
 int run_block(size_t nthreads, char *err, size_t errlen)
 {
     const size_t nwarps = (nthreads + 31) / 32;
+    ++emu.block_n;
     for (size_t i = 0; i < nthreads; ++i) {
         Fiber *f = &emu.fibers[i];
         f->t.tid = bs_dim3{(unsigned)(i % bs_emu_bdim.x), (unsigned)(i / bs_emu_bdim.x % bs_emu_bdim.y),
@@ -321,14 +328,90 @@ void bs_emu_trap(const char *why)
     abort();
 }
 
+uint32_t bs_emu_tmem_alloc(uint32_t cols)
+{
+    if (cols < 32 || cols > TMEM_COLS || (cols & (cols - 1)) != 0)
+        bs_emu_trap("tcgen05.alloc: not a power of two from 32 to 512 columns");
+    if (emu.cur->warp != 0) bs_emu_trap("tcgen05.alloc: the emulator models warp 0's allocation only");
+    /* The warp's 32 lanes each call this for the one allocation. */
+    if (emu.tmem_block != emu.block_n) {
+        emu.tmem.assign((size_t)TMEM_LANES * TMEM_COLS, 0x7FC00000u);
+        emu.tmem_cols = cols;
+        emu.tmem_block = emu.block_n;
+    } else if (emu.tmem_cols != cols) {
+        bs_emu_trap("tcgen05.alloc: a second allocation in one block");
+    }
+    return 0;
+}
+
+void bs_emu_tmem_dealloc(uint32_t taddr, uint32_t cols)
+{
+    if (emu.tmem_block != emu.block_n || taddr != 0 || cols != emu.tmem_cols)
+        bs_emu_trap("tcgen05.dealloc: not the block's allocation");
+}
+
+uint32_t *bs_emu_tmem_at(uint32_t lane, uint32_t col)
+{
+    if (emu.tmem_block != emu.block_n || lane >= TMEM_LANES || col >= emu.tmem_cols)
+        bs_emu_trap("tensor memory outside the block's allocation");
+    return &emu.tmem[(size_t)lane * TMEM_COLS + col];
+}
+
+/* A warp's tcgen05.ld / st reaches its own 32 lanes only. */
+static uint32_t tmem_lane(uint32_t taddr)
+{
+    const uint32_t base = taddr >> 16;
+    if (base != 32u * (emu.cur->warp % 4)) bs_emu_trap("tcgen05.ld / st outside the warp's 32 lanes of tensor memory");
+    return base + emu.cur->lane;
+}
+
+void bs_emu_tmem_st(uint32_t taddr, const uint32_t *v, int n)
+{
+    const uint32_t lane = tmem_lane(taddr);
+    for (int i = 0; i < n; ++i) *bs_emu_tmem_at(lane, (taddr & 0xFFFFu) + (uint32_t)i) = v[i];
+}
+
+void bs_emu_tmem_ld(uint32_t taddr, uint32_t *v, int n)
+{
+    const uint32_t lane = tmem_lane(taddr);
+    for (int i = 0; i < n; ++i) v[i] = *bs_emu_tmem_at(lane, (taddr & 0xFFFFu) + (uint32_t)i);
+}
+
+/* mbarrier state: bits 0-31 arrivals still due, 32-62 the count, 63 the
+ * current phase's parity. */
+void bs_emu_mbar_init(uint64_t *bar, uint32_t count)
+{
+    if (count == 0 || count >= (1u << 30)) bs_emu_trap("mbarrier.init: a count of 0 or over 2^30");
+    *bar = (uint64_t)count | ((uint64_t)count << 32);
+}
+
+void bs_emu_mbar_arrive(uint64_t *bar)
+{
+    uint64_t b = *bar;
+    const uint32_t due = (uint32_t)b, count = (uint32_t)(b >> 32) & 0x7FFFFFFFu;
+    if (count == 0) bs_emu_trap("mbarrier arrive before init");
+    if (due == 1)
+        b = (uint64_t)count | ((uint64_t)count << 32) | ((b ^ (1ull << 63)) & (1ull << 63));
+    else
+        b -= 1;
+    *bar = b;
+}
+
+void bs_emu_mbar_wait(uint64_t *bar, uint32_t parity)
+{
+    if ((uint32_t)(*bar >> 63) == (parity & 1u))
+        bs_emu_trap("mbarrier wait on a phase that has not completed (the emulator completes each operation "
+                    "where it is issued, so nothing else would)");
+}
+
 uint32_t bs_emu_cvta_shared(const void *p, size_t bytes)
 {
     if ((uintptr_t)p % 16 != 0) bs_emu_trap("a shared-memory descriptor's array is not 16-byte aligned");
-    if (bytes > SMEM_SLOT) bs_emu_trap("a shared-memory array over the emulator's 32 KiB slot");
+    if (bytes > SMEM_SLOT) bs_emu_trap("a shared-memory array over the emulator's 16 KiB slot");
     const unsigned char *b = (const unsigned char *)p;
     for (size_t i = 0; i < emu.smem.size(); ++i)
         if (emu.smem[i].p == b && emu.smem[i].bytes == bytes) return (uint32_t)i * SMEM_SLOT;
-    if (emu.smem.size() == SMEM_SLOTS) bs_emu_trap("more shared-memory arrays in descriptors than the emulator's 8");
+    if (emu.smem.size() == SMEM_SLOTS) bs_emu_trap("more shared-memory arrays in descriptors than the emulator's 16");
     emu.smem.push_back(Smem{b, bytes});
     return (uint32_t)(emu.smem.size() - 1) * SMEM_SLOT;
 }

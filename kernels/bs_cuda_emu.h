@@ -7,10 +7,12 @@
  * one at a time, switching at these points).
  *
  * The tensor-core paths it computes (plan::cuda::EMU_TC: the mma.sync of
- * BF16, INT8, FP8 and block-scaled MXFP4, and wgmma m64n8k16 BF16 with a
- * no-swizzle shared-memory descriptor) follow the PTX ISA's fragment and
- * descriptor layouts; the others are compiled out of its rendering. What it
- * does not emulate: tcgen05, the tensor cores' own summation order, the
+ * BF16, INT8, FP8 and block-scaled MXFP4, wgmma m64n8k16 BF16 with a
+ * no-swizzle shared-memory descriptor, and the tcgen05 operations of the
+ * block-scaled FP4 kernel: tensor memory, its loads and stores, mbarriers
+ * and tcgen05.mma kind::mxf4) follow the PTX ISA's fragment, descriptor and
+ * tensor-memory layouts as the kernels read them. What it does not
+ * emulate: swizzled layouts, the tensor cores' own summation order, the
  * memory model beyond "every thread sees every write made before the last
  * barrier", and nvcc's code generation. */
 #ifndef BS_CUDA_EMU_H
@@ -44,6 +46,7 @@ struct alignas(16) float4 {
 struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
+static inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 
 /* The running fiber's thread index and the launch's geometry
  * (kernels/bs_cuda_emu.cpp). */
@@ -259,7 +262,7 @@ static inline void bs_emu_mma_mxf4(float c[4], const uint32_t a[4], const uint32
 
 /* Shared-memory addresses for descriptors. On the GPU a descriptor holds an
  * address in the 256 KiB shared window; here each array a kernel converts
- * (16-byte aligned, `bytes` long, at most 32 KiB) gets a 32 KiB slot of
+ * (16-byte aligned, `bytes` long, at most 16 KiB) gets a 16 KiB slot of
  * such a window for the launch, and bs_emu_shared_at maps an address back,
  * failing the launch if `bytes` from it leave the array. */
 uint32_t bs_emu_cvta_shared(const void *p, size_t bytes);
@@ -295,6 +298,86 @@ static inline void bs_emu_wgmma_bf16(float d[4], const uint32_t a[4], uint64_t d
             B[k][n] = bf16(h);
         }
     bs_emu_accumulate(d, A, B, 16);
+}
+
+/* Tensor memory (tcgen05): per block 128 lanes x 512 columns of 32 bits,
+ * an address lane << 16 | column. An allocation (warp 0, a power of two
+ * from 32 to 512 columns) starts at column 0 and its columns start as NaN;
+ * an access outside it fails the launch, as does a warp's tcgen05.ld / st
+ * outside its own 32 lanes (warp w % 4: lanes 32 (w % 4) ..). */
+uint32_t bs_emu_tmem_alloc(uint32_t cols);
+void bs_emu_tmem_dealloc(uint32_t taddr, uint32_t cols);
+uint32_t *bs_emu_tmem_at(uint32_t lane, uint32_t col);
+/* 32x32b.xN: this thread's n words into / from lane (taddr >> 16) + its
+ * lane, columns (taddr & 0xFFFF) .. + n - 1. */
+void bs_emu_tmem_st(uint32_t taddr, const uint32_t *v, int n);
+void bs_emu_tmem_ld(uint32_t taddr, uint32_t *v, int n);
+/* An mbarrier (its state kept in the 64 bits the kernel gives it): init
+ * with an arrival count, arrive (tcgen05.commit: the emulator's operations
+ * are done when issued), and wait on a phase parity, which fails the
+ * launch if that phase has not completed (nothing else could complete it). */
+void bs_emu_mbar_init(uint64_t *bar, uint32_t count);
+void bs_emu_mbar_arrive(uint64_t *bar);
+void bs_emu_mbar_wait(uint64_t *bar, uint32_t parity);
+
+/* One tcgen05 operand through its shared-memory descriptor: `rows` rows of
+ * 64 E2M1 codes, K-major without swizzle. The descriptor (sm_100): start
+ * address, LBO and SBO as wgmma's (16-byte units at bits 0, 16 and 32), the
+ * fixed 0b001 at bits 46-48, base offset (49-51) and swizzle (61-63) 0.
+ * Core matrices of 8 rows x 16 bytes (32 codes, two a byte, the even
+ * column in the low nibble): code (r, k) in byte start + (r / 8) SBO +
+ * (k / 32) LBO + 16 (r % 8) + (k % 32) / 2. */
+static inline void bs_emu_t5_operand(uint64_t desc, int rows, double (*out)[64])
+{
+    if (((desc >> 46) & 7u) != 1u || ((desc >> 49) & 7u) != 0u || (desc >> 61) != 0u)
+        bs_emu_trap("tcgen05.mma: a descriptor without the fixed 0b001, or with a base offset or swizzle");
+    const uint32_t start = (uint32_t)(desc & 0x3FFFu) << 4, lbo = (uint32_t)((desc >> 16) & 0x3FFFu) << 4,
+                   sbo = (uint32_t)((desc >> 32) & 0x3FFFu) << 4;
+    for (int r = 0; r < rows; ++r)
+        for (int k = 0; k < 64; ++k) {
+            const uint32_t at = start + (uint32_t)(r / 8) * sbo + (uint32_t)(k / 32) * lbo + 16u * (uint32_t)(r % 8) +
+                                (uint32_t)(k % 32) / 2;
+            const uint32_t b = *bs_emu_shared_at(at, 1);
+            out[r][k] = bs_emu_e2m1((k & 1) ? b >> 4 : b & 15u);
+        }
+}
+
+/* tcgen05.mma.cta_group::1.kind::mxf4.block_scale.scale_vec::2X, as
+ * bs_tc_tcgen05_fp4 issues it: D (tensor memory at d_t, M = 128 lanes by N
+ * columns of f32) = (A · SA)(B · SB)^T, plus D when acc. A: 128 x 64 and B:
+ * N x 64 E2M1 through their descriptors. The instruction descriptor must
+ * be the kernel's: E2M1 x E2M1 (bits 7-9 and 10-12: 1), N >> 3 at bit 17,
+ * UE8M0 scales (bit 23), M >> 7 at bit 27, no negation, transpose or
+ * sparsity. Scales (scale-factor ID 0): row m of A's two UE8M0 bytes (K
+ * 0..31, 32..63) are bytes 0 and 1 of the word at lane (sa_t >> 16) +
+ * m % 32, column (sa_t & 0xFFFF) + m / 32; column j of B's likewise from
+ * sb_t. Products exact, summed in double, rounded once to f32. */
+static inline void bs_emu_tcgen05_mxf4(uint32_t d_t, uint64_t da, uint64_t db, uint32_t idesc, uint32_t acc,
+                                       uint32_t sa_t, uint32_t sb_t)
+{
+    const uint32_t n = ((idesc >> 17) & 0x3Fu) << 3;
+    const uint32_t want = (1u << 7) | (1u << 10) | ((n >> 3) << 17) | (1u << 23) | (1u << 27);
+    if (n == 0 || n > 256 || idesc != want)
+        bs_emu_trap("tcgen05.mma: an instruction descriptor other than the kernel's (M = 128, E2M1 x E2M1, UE8M0)");
+    /* The emulator runs one thread at a time (bs_emu_launch holds a lock). */
+    static double A[128][64], B[256][64];
+    bs_emu_t5_operand(da, 128, A);
+    bs_emu_t5_operand(db, (int)n, B);
+    const auto scale = [](uint32_t t, int row, int k) {
+        const uint32_t word = *bs_emu_tmem_at((t >> 16) + (uint32_t)(row % 32), (t & 0xFFFFu) + (uint32_t)(row / 32));
+        return bs_emu_ue8m0((word >> (8 * (k / 32))) & 0xFFu);
+    };
+    for (int m = 0; m < 128; ++m)
+        for (int k = 0; k < 64; ++k) A[m][k] *= scale(sa_t, m, k);
+    for (int j = 0; j < (int)n; ++j)
+        for (int k = 0; k < 64; ++k) B[j][k] *= scale(sb_t, j, k);
+    for (int m = 0; m < 128; ++m)
+        for (int j = 0; j < (int)n; ++j) {
+            uint32_t *dp = bs_emu_tmem_at((d_t >> 16) + (uint32_t)m, (d_t & 0xFFFFu) + (uint32_t)j);
+            double sum = acc ? (double)__uint_as_float(*dp) : 0.0;
+            for (int k = 0; k < 64; ++k) sum += A[m][k] * B[j][k];
+            *dp = __float_as_uint((float)sum);
+        }
 }
 
 /* A kernel called with the driver's argument convention: args[i] points at

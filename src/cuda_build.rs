@@ -398,8 +398,8 @@ pub fn write_if_changed(path: &Path, text: &str) -> Result<(), String> {
 }
 
 /// The source the CPU emulator compiles (`BESPOKE_CUDA=emu`): the CUDA-core
-/// kernels every arch has, and the tensor-core paths whose `mma.sync` the
-/// emulator computes ([`cuda::EMU_TC`]); the others are off.
+/// kernels every arch has, and the tensor-core paths the emulator computes
+/// ([`cuda::EMU_TC`]: all of them); any other would be off.
 pub fn emulator_render(
     template: &str,
     shapes: &[MatShape],

@@ -329,8 +329,9 @@ fn tc_on(g: &gpu::Gpu, key: &str) -> bool {
 }
 
 /// On the GPU, and on the emulator for the paths it computes
-/// (`plan::cuda::EMU_TC`: its `mma.sync` follows the PTX ISA's fragment
-/// layouts, so a kernel that misplaces a row, column or block fails here).
+/// (`plan::cuda::EMU_TC`: its `mma.sync`, `wgmma` and `tcgen05` follow the
+/// PTX ISA's fragment, descriptor and tensor-memory layouts as we read
+/// them, so a kernel that misplaces a row, column, block or scale fails).
 #[test]
 fn tensor_core_paths_match_within_their_bounds() {
     for g in core_devices() {

@@ -324,10 +324,17 @@ pub struct TcDecision {
 }
 
 /// The tensor-core paths the CPU emulator of the CUDA kernels computes
-/// (`BESPOKE_CUDA=emu`; kernels/bs_cuda_emu.h): the `mma.sync` shapes of the
-/// BF16, INT8, FP8 and block-scaled MXFP4 kernels and the BF16 wgmma (not
-/// tcgen05).
-pub const EMU_TC: &[&str] = &["mma_bf16", "mma_int8", "mma_fp8", "mma_mxf4", "wgmma"];
+/// (`BESPOKE_CUDA=emu`; kernels/bs_cuda_emu.h): all of them, the `mma.sync`
+/// shapes of the BF16, INT8, FP8 and block-scaled MXFP4 kernels, the BF16
+/// wgmma and the block-scaled FP4 tcgen05 kernel.
+pub const EMU_TC: &[&str] = &[
+    "mma_bf16",
+    "mma_int8",
+    "mma_fp8",
+    "mma_mxf4",
+    "wgmma",
+    "tcgen05_mxf4",
+];
 
 /// Decide every tensor-core path for `arch` with toolkit `toolkit`.
 /// `tc_off`: `BESPOKE_CUDA_TC=off`.
