@@ -15,12 +15,14 @@
 #   * tests/gpu.rs: every CUDA-core kernel (4 formats, matvec and matmul,
 #     generic and specialised) and every tensor-core path the device's image
 #     has, against the CPU reference within their bounds; fp4×q8 on INT8
-#     tensor cores bit for bit; attention decode (the same checks also run on
-#     the CPU emulator of the CUDA kernels, as they do in CI);
+#     tensor cores bit for bit; attention (decode, causal, DeepSeek V4's row
+#     lists) (the same checks also run on the CPU emulator of the CUDA
+#     kernels, as they do in CI);
 #   * the fixture oracle tests (tests/engine.rs, tests/dsv4.rs) with every
-#     matrix in the VRAM tier (BESPOKE_TEST_VRAM): token-exact against
-#     transformers;
-#   * `bespoke plan`, and `bespoke bench gpu` (GB/s against the card's peak).
+#     matrix in the VRAM tier and attention on the GPU (BESPOKE_TEST_VRAM):
+#     token-exact against transformers;
+#   * `bespoke plan`, and `bespoke bench gpu` (GB/s against the card's peak,
+#     matrices and attention).
 # It writes OUTDIR/summary.md (default target/gpu-check) and the logs beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -92,7 +94,7 @@ for t in "${tests[@]}"; do
   if runtest "$t" > "$out/test-$t.log" 2>&1; then r=passed; else r=FAILED; fail=1; fi
   echo "- $t: $r — $(grep -E '^test result' "$out/test-$t.log" | tail -1)" >> "$summary"
   # (tests/gpu.rs runs its checks on the CPU emulator too: only the GPU's lines here)
-  grep -E "worst|bit-identical|ok \(|attention hd|greedy" "$out/test-$t.log" | grep -v "emulator" | sed 's/^/    /' >> "$summary"
+  grep -E "worst|bit-identical|ok \(|attention hd|bs_cu_attn_|greedy" "$out/test-$t.log" | grep -v "emulator" | sed 's/^/    /' >> "$summary"
 done
 
 echo -e "\n## bespoke plan (CUDA side)\n\n\`\`\`" >> "$summary"
