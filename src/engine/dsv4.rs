@@ -349,7 +349,7 @@ impl CompState {
 
 struct LayerState {
     /// K=V rows of the last positions, position p at row p % ring, where
-    /// ring = sliding_window + GPU_QUERIES: the rows a query reads stay for
+    /// ring = min(sliding_window, capacity) + GPU_QUERIES: the rows a query reads stay for
     /// the next GPU_QUERIES positions, so a group of queries sent to the GPU
     /// together (or taken back to the CPU if that fails) still finds them.
     window: Vec<f32>,
@@ -396,9 +396,10 @@ impl Dsv4Cache {
     }
 }
 
-/// Rows of the window ring ([`LayerState::window`]).
-fn ring(window: usize) -> usize {
-    window + crate::gpu::GPU_QUERIES
+/// Rows of the window ring ([`LayerState::window`]) of a cache for
+/// `capacity` tokens: no query sees more than min(window, capacity) rows.
+fn ring(window: usize, capacity: usize) -> usize {
+    window.min(capacity) + crate::gpu::GPU_QUERIES
 }
 
 pub struct Dsv4Model<'m> {
@@ -853,8 +854,8 @@ impl<'m> Dsv4Model<'m> {
     /// compressed entry; and the most keys a query attends to (its window
     /// plus, on CSA layers, the indexer's top-k; on HCA layers every entry).
     fn row_kv_geo(&self, capacity: usize) -> crate::gpu::RowKvGeo {
-        let ring = ring(self.window);
-        let mut max_keys = self.window;
+        let ring = ring(self.window, capacity);
+        let mut max_keys = self.window.min(capacity);
         let layer_rows = self
             .layers
             .iter()
@@ -864,7 +865,7 @@ impl<'m> Dsv4Model<'m> {
                     Some(_) => entries.min(self.index_topk),
                     None => entries,
                 };
-                max_keys = max_keys.max(self.window + seen);
+                max_keys = max_keys.max(self.window.min(capacity) + seen);
                 ring + entries
             })
             .collect();
@@ -906,7 +907,7 @@ impl<'m> Dsv4Model<'m> {
             .layers
             .iter()
             .map(|l| LayerState {
-                window: vec![0.0; ring(self.window) * self.head_dim],
+                window: vec![0.0; ring(self.window, capacity) * self.head_dim],
                 comp: l.comp.as_ref().map(CompState::new),
                 index: l.indexer.as_ref().map(|i| CompState::new(&i.comp)),
             })
@@ -1183,7 +1184,8 @@ impl<'m> Dsv4Model<'m> {
         };
         let scale = (hd as f64).powf(-0.5) as f32;
         let softmax_scale = (id as f64).powf(-0.5) as f32;
-        let (w, ring) = (self.window, ring(self.window));
+        // The cache's ring (sized for its capacity by new_cache).
+        let (w, ring) = (self.window, st.window.len() / hd);
         let mut att = scratch::stale(n * h * hd);
         let mut scores: Vec<f32> = Vec::new();
         let mut dots: Vec<f32> = Vec::new();
