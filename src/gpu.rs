@@ -552,9 +552,9 @@ mod imp {
             self.g.htod_into(data, &mut self.kv[layer], row0 * hd)
         }
 
-        /// Attention of up to GPU_QUERIES queries `q` [n][n_heads × head_dim]
-        /// of layer `layer`: query j over the rows `rows[offs[j] ..
-        /// offs[j + 1]]` in order (offs: n + 1 ascending, from 0 to
+        /// Attention of up to GPU_QUERIES queries `q[n][n_heads × head_dim]`
+        /// of layer `layer`: query j over the rows
+        /// `rows[offs[j] .. offs[j + 1]]` in order (offs: n + 1 ascending, from 0 to
         /// rows.len()), with the layer's sinks, into `out` (q's shape).
         pub fn attend(
             &mut self,
@@ -1558,8 +1558,8 @@ mod imp {
 
         /// Attention over listed rows on the GPU from host slices (what
         /// [`RowKv::attend`] launches on its device rows): up to GPU_QUERIES
-        /// queries q [n][n_heads × head_dim], query j over rows[offs[j] ..
-        /// offs[j + 1]] of kv (rows of head_dim floats, K = V), with sinks
+        /// queries `q[n][n_heads × head_dim]`, query j over
+        /// `rows[offs[j] .. offs[j + 1]]` of kv (rows of head_dim floats, K = V), with sinks
         /// (n_heads). `kernel`: bs_cu_attn_rows or its specialisation.
         #[allow(clippy::too_many_arguments)]
         pub fn attn_rows(
