@@ -1939,6 +1939,18 @@ pub struct GpuAttention {
     pub bytes: u64,
 }
 
+impl GpuAttention {
+    /// Room for a sequence of min(context, GPU_KV_TOKENS) tokens, whose keys
+    /// take `bytes_for(tokens)`.
+    pub fn for_context(context: usize, bytes_for: impl FnOnce(usize) -> u64) -> GpuAttention {
+        let tokens = context.min(GPU_KV_TOKENS);
+        GpuAttention {
+            tokens,
+            bytes: bytes_for(tokens),
+        }
+    }
+}
+
 /// Device bytes a [`KvMirror`] of `layers` layers for `capacity` positions
 /// takes: the keys and values, and one launch's queries, outputs and scores.
 pub fn kv_mirror_bytes(

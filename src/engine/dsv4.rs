@@ -880,15 +880,9 @@ impl<'m> Dsv4Model<'m> {
     /// What attention on the GPU sets aside: the key rows of a sequence of
     /// min(context, GPU_KV_TOKENS) tokens.
     pub fn gpu_attention(&self) -> crate::gpu::GpuAttention {
-        let tokens = self
-            .model
-            .config
-            .max_position_embeddings
-            .min(crate::gpu::GPU_KV_TOKENS);
-        crate::gpu::GpuAttention {
-            tokens,
-            bytes: self.row_kv_geo(tokens).bytes(),
-        }
+        crate::gpu::GpuAttention::for_context(self.model.config.max_position_embeddings, |t| {
+            self.row_kv_geo(t).bytes()
+        })
     }
 
     /// An empty cache for up to `capacity` tokens (checked against the

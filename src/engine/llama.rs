@@ -292,21 +292,15 @@ impl<'m> LlamaModel<'m> {
     /// What attention on the GPU sets aside: a KV mirror
     /// ([`crate::gpu::KvMirror`]) for min(context, GPU_KV_TOKENS) positions.
     pub fn gpu_attention(&self) -> crate::gpu::GpuAttention {
-        let tokens = self
-            .model
-            .config
-            .max_position_embeddings
-            .min(crate::gpu::GPU_KV_TOKENS);
-        crate::gpu::GpuAttention {
-            tokens,
-            bytes: crate::gpu::kv_mirror_bytes(
+        crate::gpu::GpuAttention::for_context(self.model.config.max_position_embeddings, |t| {
+            crate::gpu::kv_mirror_bytes(
                 self.layers.len(),
                 self.heads,
                 self.kv_heads,
                 self.head_dim,
-                tokens,
-            ),
-        }
+                t,
+            )
+        })
     }
 
     /// An empty cache for up to `capacity` tokens (checked against the
