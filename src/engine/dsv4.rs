@@ -359,9 +359,9 @@ struct LayerState {
 
 impl LayerState {
     /// The keys (= values) of one query from its row list (see
-    /// [`Dsv4Cache`]'s `gpu`), in order.
-    fn keys(&self, rows: &[i32], ring: usize, hd: usize) -> Vec<f32> {
-        let mut keys = Vec::with_capacity(rows.len() * hd);
+    /// [`Dsv4Cache`]'s `gpu`), in order, into `keys` (cleared first).
+    fn keys_into(&self, rows: &[i32], ring: usize, hd: usize, keys: &mut Vec<f32>) {
+        keys.clear();
         for &r in rows {
             let r = r as usize;
             let src = match (r.checked_sub(ring), &self.comp) {
@@ -370,7 +370,6 @@ impl LayerState {
             };
             keys.extend_from_slice(src);
         }
-        keys
     }
 }
 
@@ -1181,6 +1180,7 @@ impl<'m> Dsv4Model<'m> {
         // The cache's ring (sized for its capacity by new_cache).
         let (w, ring) = (self.window, st.window.len() / hd);
         let mut att = scratch::stale(n * h * hd);
+        let mut keys: Vec<f32> = Vec::new();
         let mut scores: Vec<f32> = Vec::new();
         let mut dots: Vec<f32> = Vec::new();
         // Each query's keys as rows (below `ring`: window row, above:
@@ -1291,7 +1291,7 @@ impl<'m> Dsv4Model<'m> {
                     .zip(out.chunks_exact_mut(h * hd))
                     .zip(offs.windows(2))
                 {
-                    let keys = st.keys(&rows[se[0] as usize..se[1] as usize], ring, hd);
+                    st.keys_into(&rows[se[0] as usize..se[1] as usize], ring, hd, &mut keys);
                     let args = AttnArgs {
                         q: qj,
                         k: &keys,
