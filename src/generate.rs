@@ -95,6 +95,15 @@ impl AnyCache {
             AnyCache::Dsv4(c) => c.attention_on_gpu(),
         }
     }
+
+    /// Whether DeepSeek V4's lightning indexers score on the GPU; None for
+    /// a model without them.
+    pub fn indexer_on_gpu(&self) -> Option<bool> {
+        match self {
+            AnyCache::Llama(_) => None,
+            AnyCache::Dsv4(c) => c.indexer_on_gpu(),
+        }
+    }
 }
 
 impl<'m> AnyModel<'m> {

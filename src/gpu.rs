@@ -436,9 +436,22 @@ mod imp {
         offs: DevBuf<i32>,
         /// bs_cu_attn_rows, or its specialisation for these shapes.
         kernel: String,
+        /// The lightning indexer's entries and launch buffers (geo.index).
+        index: Option<IndexBufs>,
         geo: RowKvGeo,
         tier: u32,
         bytes: u64,
+    }
+
+    /// [`RowKv`]'s indexer side: per layer its compressed entries (an empty
+    /// buffer where the layer has no indexer); one launch's query heads,
+    /// head weights, offsets and scores.
+    struct IndexBufs {
+        entries: Vec<DevBuf<f32>>,
+        q: DevBuf<f32>,
+        w: DevBuf<f32>,
+        offs: DevBuf<i32>,
+        scores: DevBuf<f32>,
     }
 
     impl RowKv {
@@ -459,7 +472,27 @@ mod imp {
                 n_heads,
                 head_dim,
                 max_keys,
+                ref index,
             } = geo;
+            let index_ok = index.as_ref().map_or(true, |ix| {
+                let most = ix.layer_entries.iter().copied().max().unwrap_or(0);
+                ix.layer_entries.len() == layer_rows.len()
+                    && ix.heads > 0
+                    && ix.dim > 0
+                    && [
+                        most.checked_mul(ix.dim),
+                        (GPU_QUERIES * ix.heads).checked_mul(ix.dim),
+                        GPU_QUERIES.checked_mul(most),
+                    ]
+                    .iter()
+                    .all(|v| v.is_some_and(|v| v <= i32::MAX as usize))
+            });
+            if !index_ok {
+                return Err(format!(
+                    "the indexer on the GPU: {index:?} for {} layers (sizes below 2^31)",
+                    layer_rows.len()
+                ));
+            }
             if layer_rows.is_empty()
                 || layer_rows.contains(&0)
                 || n_heads == 0
@@ -496,17 +529,34 @@ mod imp {
                     kv.push(g.zeros::<f32>(r * head_dim)?);
                     sk.push(g.htod(s, "copying the sinks to the GPU")?);
                 }
+                let index = match index {
+                    Some(ix) => {
+                        let most = ix.layer_entries.iter().copied().max().unwrap_or(0);
+                        let mut entries = Vec::with_capacity(ix.layer_entries.len());
+                        for &e in &ix.layer_entries {
+                            entries.push(g.zeros::<f32>(e * ix.dim)?);
+                        }
+                        Some(IndexBufs {
+                            entries,
+                            q: g.zeros::<f32>(qb * ix.heads * ix.dim)?,
+                            w: g.zeros::<f32>(qb * ix.heads)?,
+                            offs: g.zeros::<i32>(qb + 1)?,
+                            scores: g.zeros::<f32>((qb * most).max(1))?,
+                        })
+                    }
+                    None => None,
+                };
                 Ok((
-                    kv,
-                    sk,
+                    (kv, sk),
                     g.zeros::<f32>(qb * n_heads * head_dim)?,
                     g.zeros::<f32>(qb * n_heads * head_dim)?,
                     g.zeros::<f32>(qb * n_heads * max_keys)?,
                     g.zeros::<i32>(qb * max_keys)?,
                     g.zeros::<i32>(qb + 1)?,
+                    index,
                 ))
             };
-            let (kv, sinks, q, out, scratch, rows, offs) =
+            let ((kv, sinks), q, out, scratch, rows, offs, index) =
                 alloc().inspect_err(|_| tier::give_kv(tier, bytes))?;
             let kernel = if specialised {
                 format!("bs_cu_attn_rows_d{head_dim}_h{n_heads}")
@@ -523,10 +573,83 @@ mod imp {
                 rows,
                 offs,
                 kernel,
+                index,
                 geo,
                 tier,
                 bytes,
             })
+        }
+
+        /// Whether layer `layer` keeps indexer entries here.
+        pub fn has_index(&self, layer: usize) -> bool {
+            self.geo
+                .index
+                .as_ref()
+                .is_some_and(|ix| ix.layer_entries.get(layer).is_some_and(|&e| e > 0))
+        }
+
+        /// Write whole indexer entries (rows of the indexer's dim floats)
+        /// into layer `layer` from entry `e0` on.
+        pub fn write_index(&mut self, layer: usize, e0: usize, data: &[f32]) -> Result<(), String> {
+            let (Some(ix), Some(bufs)) = (&self.geo.index, &mut self.index) else {
+                return Err("row KV: no indexer entries kept".into());
+            };
+            let have = ix.layer_entries.get(layer).copied().unwrap_or(0);
+            if data.len() % ix.dim != 0 || e0 + data.len() / ix.dim > have {
+                return Err(format!(
+                    "indexer entries: layer {layer}, {} floats at entry {e0} (entries of {}, room for {have})",
+                    data.len(),
+                    ix.dim
+                ));
+            }
+            if data.is_empty() {
+                return Ok(());
+            }
+            self.g
+                .htod_into(data, &mut bufs.entries[layer], e0 * ix.dim)
+        }
+
+        /// The lightning indexer's scores for up to GPU_QUERIES queries of
+        /// layer `layer` (as [`crate::reference::index_scores`], bit for
+        /// bit): query j, with heads `q[j][heads × dim]` and head weights
+        /// `w[j][heads]`, against the layer's first `offs[j + 1] − offs[j]`
+        /// entries, into `scores[offs[j] ..]` (`scores` is resized to
+        /// offs[n]). A query with no entries (an empty range) costs nothing.
+        pub fn index_scores(
+            &mut self,
+            layer: usize,
+            q: &[f32],
+            w: &[f32],
+            offs: &[i32],
+            scale: f32,
+            scores: &mut Vec<f32>,
+        ) -> Result<(), String> {
+            let (Some(ix), Some(bufs)) = (&self.geo.index, &mut self.index) else {
+                return Err("row KV: no indexer entries kept".into());
+            };
+            let have = ix.layer_entries.get(layer).copied().unwrap_or(0);
+            let most = check_index(q, w, offs, (ix.heads, ix.dim), have)?;
+            let n = offs.len() - 1;
+            scores.clear();
+            scores.resize(offs[n] as usize, 0.0);
+            if most == 0 {
+                return Ok(());
+            }
+            self.g.htod_into(q, &mut bufs.q, 0)?;
+            self.g.htod_into(w, &mut bufs.w, 0)?;
+            self.g.htod_into(offs, &mut bufs.offs, 0)?;
+            // Checked (check_index): n ≤ GPU_QUERIES queries of heads × dim
+            // and heads floats, offs ascending from 0 with no range past the
+            // layer's entries, so the scores (GPU_QUERIES × the most entries
+            // of a layer) hold offs[n].
+            self.g.index_launch(
+                [&bufs.entries[layer], &bufs.q, &bufs.w],
+                &bufs.offs,
+                &mut bufs.scores,
+                (ix.heads, ix.dim, n, most),
+                scale,
+            )?;
+            self.g.dtoh_into(&bufs.scores, scores)
         }
 
         /// Write whole rows of head_dim floats into layer `layer` from row
@@ -627,6 +750,44 @@ mod imp {
         match rows.iter().find(|&&r| r < 0 || r as usize >= have) {
             Some(r) => Err(format!("attention over rows: row {r} of {have}")),
             None => Ok(()),
+        }
+    }
+
+    /// Queries for bs_cu_index_scores: 1 to GPU_QUERIES of them, q of
+    /// n × heads × dim floats and w of n × heads, offs n + 1 ascending from
+    /// 0 with no query over more than `have` entries. Ok: the most entries
+    /// of a query.
+    fn check_index(
+        q: &[f32],
+        w: &[f32],
+        offs: &[i32],
+        (heads, dim): (usize, usize),
+        have: usize,
+    ) -> Result<usize, String> {
+        let n = offs.len().saturating_sub(1);
+        let ranges: Option<Vec<usize>> = offs
+            .windows(2)
+            .map(|p| {
+                p[1].checked_sub(p[0])
+                    .and_then(|d| usize::try_from(d).ok())
+                    .filter(|&r| r <= have)
+            })
+            .collect();
+        match ranges {
+            Some(r)
+                if offs.first() == Some(&0)
+                    && (1..=GPU_QUERIES).contains(&n)
+                    && q.len() == n * heads * dim
+                    && w.len() == n * heads =>
+            {
+                Ok(r.into_iter().max().unwrap_or(0))
+            }
+            _ => Err(format!(
+                "indexer scores: offsets {offs:?} over {have} entries (at most {GPU_QUERIES} queries), \
+                 q {} and w {} floats (want {n} × {heads}×{dim} and {n} × {heads})",
+                q.len(),
+                w.len()
+            )),
         }
     }
 
@@ -1629,6 +1790,76 @@ mod imp {
             self.dtoh(&out)
         }
 
+        /// The lightning indexer's scores on the GPU from host slices (what
+        /// [`RowKv::index_scores`] launches on its device entries): query j
+        /// (`q[j][heads × dim]`, `w[j][heads]`) against the first
+        /// `offs[j + 1] − offs[j]` entries (rows of dim floats), into
+        /// `[offs[j] ..]` of the result.
+        #[allow(clippy::too_many_arguments)]
+        pub fn index_scores(
+            &self,
+            entries: &[f32],
+            q: &[f32],
+            w: &[f32],
+            offs: &[i32],
+            heads: usize,
+            dim: usize,
+            scale: f32,
+        ) -> Result<Vec<f32>, String> {
+            let have = entries.len().checked_div(dim).unwrap_or(0);
+            let most = check_index(q, w, offs, (heads, dim), have)?;
+            if [entries.len(), q.len()]
+                .iter()
+                .any(|&v| v > i32::MAX as usize)
+            {
+                return Err("indexer scores: sizes below 2^31".into());
+            }
+            let n = offs.len() - 1;
+            let total = offs[n] as usize;
+            if most == 0 {
+                return Ok(vec![0.0; total]);
+            }
+            let up = |s: &[f32]| self.htod(s, "copying to the GPU");
+            let (ed, qd, wd) = (up(entries)?, up(q)?, up(w)?);
+            let od = self.htod(offs, "copying to the GPU")?;
+            let mut out = self.zeros::<f32>(total)?;
+            // Checked above: n queries of heads × dim and heads floats, offs
+            // ascending from 0 to total with no range past the entries.
+            self.index_launch([&ed, &qd, &wd], &od, &mut out, (heads, dim, n, most), scale)?;
+            self.dtoh(&out)
+        }
+
+        /// Launch bs_cu_index_scores for `n` queries: `bufs` = entries, q, w.
+        /// The caller has checked the sizes ([`check_index`]): `most` is the
+        /// most entries of a query, and the scores hold offs[n].
+        fn index_launch(
+            &self,
+            bufs: [&DevBuf<f32>; 3],
+            offs: &DevBuf<i32>,
+            scores: &mut DevBuf<f32>,
+            (heads, dim, n, most): (usize, usize, usize, usize),
+            scale: f32,
+        ) -> Result<(), String> {
+            let cfg = LaunchConfig {
+                grid_dim: (most.div_ceil(8) as u32, n as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // The parameters of bs_cu_index_scores in order.
+            let mut args = vec![
+                Arg::F32(bufs[0]),
+                Arg::F32(bufs[1]),
+                Arg::F32(bufs[2]),
+                Arg::I32s(offs),
+                Arg::F32Out(scores),
+                Arg::I32(heads as i32),
+                Arg::I32(dim as i32),
+                Arg::F32Val(scale),
+                Arg::I32(n as i32),
+            ];
+            self.run("bs_cu_index_scores", cfg, &mut args)
+        }
+
         /// Launch bs_cu_attn_rows* for `n` queries: `bufs` = q, kv, sinks;
         /// `list` = rows, offs. The caller has checked that q and out hold n
         /// rows of n_heads × head_dim floats, sinks n_heads, offs n + 1
@@ -1968,13 +2199,36 @@ pub fn kv_mirror_bytes(
 }
 
 /// The shape of a [`RowKv`]: per layer, how many rows of `head_dim` floats
-/// it keeps; the heads of a query; the most keys one query attends to.
+/// it keeps; the heads of a query; the most keys one query attends to; and
+/// where the model has one, its lightning indexer's side.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RowKvGeo {
     pub layer_rows: Vec<usize>,
     pub n_heads: usize,
     pub head_dim: usize,
     pub max_keys: usize,
+    pub index: Option<IndexGeo>,
+}
+
+/// The lightning indexer's part of a [`RowKv`] (DeepSeek V4's CSA layers):
+/// per layer room for `layer_entries` compressed entries of `dim` floats (0:
+/// the layer has no indexer), and `heads` query heads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexGeo {
+    pub layer_entries: Vec<usize>,
+    pub heads: usize,
+    pub dim: usize,
+}
+
+impl IndexGeo {
+    /// Device floats: the entries, and one launch's query heads, head
+    /// weights and scores (plus its offsets, as many i32).
+    fn floats(&self) -> u64 {
+        let (q, h, d) = (GPU_QUERIES as u64, self.heads as u64, self.dim as u64);
+        let entries: u64 = self.layer_entries.iter().map(|&e| e as u64).sum();
+        let most = self.layer_entries.iter().copied().max().unwrap_or(0).max(1) as u64;
+        entries * d + q * h * d + q * h + q * most + q + 1
+    }
 }
 
 impl RowKvGeo {
@@ -1989,7 +2243,8 @@ impl RowKvGeo {
         let rows: u64 = self.layer_rows.iter().map(|&r| r as u64).sum();
         let layers = self.layer_rows.len() as u64;
         let keys = self.max_keys.max(1) as u64;
-        4 * (rows * hd + layers * h + 2 * q * h * hd + q * h * keys + q * keys + q + 1)
+        let index = self.index.as_ref().map_or(0, IndexGeo::floats);
+        4 * (rows * hd + layers * h + 2 * q * h * hd + q * h * keys + q * keys + q + 1 + index)
     }
 }
 
@@ -2051,6 +2306,26 @@ impl RowKv {
     }
 
     pub fn write(&mut self, _layer: usize, _row0: usize, _data: &[f32]) -> Result<(), String> {
+        match *self {}
+    }
+
+    pub fn has_index(&self, _layer: usize) -> bool {
+        match *self {}
+    }
+
+    pub fn write_index(&mut self, _layer: usize, _e0: usize, _data: &[f32]) -> Result<(), String> {
+        match *self {}
+    }
+
+    pub fn index_scores(
+        &mut self,
+        _layer: usize,
+        _q: &[f32],
+        _w: &[f32],
+        _offs: &[i32],
+        _scale: f32,
+        _scores: &mut Vec<f32>,
+    ) -> Result<(), String> {
         match *self {}
     }
 

@@ -111,6 +111,22 @@ pub fn dot16(a: &[f32], b: &[f32]) -> f32 {
     reduce16(&acc)
 }
 
+/// DeepSeek V4's lightning-indexer scores of one query: for every entry e
+/// (rows of `dim` floats), `Σ_h relu(q_h · k_e)·scale·w_h` over the heads in
+/// order, each dot product [`dot16`] (entry first) and each step rounded on
+/// its own: `s += (relu(d)·scale)·w_h` from +0. The engine's CPU path and
+/// the GPU kernel (bs_cu_index_scores) both give exactly this.
+pub fn index_scores(entries: &[f32], q: &[f32], w: &[f32], dim: usize, scale: f32) -> Vec<f32> {
+    entries
+        .chunks_exact(dim)
+        .map(|e| {
+            q.chunks_exact(dim)
+                .zip(w)
+                .fold(0f32, |s, (qh, &wh)| s + dot16(e, qh).max(0.0) * scale * wh)
+        })
+        .collect()
+}
+
 /// The softmax exp of the kernels (kernels/bs_common.h): same operations.
 /// The coefficients are written as in the C source; both round to the same f32.
 #[allow(clippy::excessive_precision)]

@@ -671,6 +671,97 @@ fn attention_rows_on(g: &gpu::Gpu) {
     }
 }
 
+#[test]
+fn indexer_scores_are_the_cpu_s_bit_for_bit() {
+    for g in core_devices() {
+        index_scores_on(g);
+    }
+}
+
+/// bs_cu_index_scores (DeepSeek V4's lightning indexer on the GPU): every
+/// score equal, bit for bit, to `reference::index_scores` (which the
+/// engine's CPU path gives too), so the top-k made from them picks the same
+/// entries; GPU_QUERIES queries over different counts of entries (none
+/// included), with awkward entries (zeros, −0, subnormals, large values) and
+/// a dim that is not a multiple of 16; and the inputs the kernel must never
+/// see refused.
+fn index_scores_on(g: &gpu::Gpu) {
+    let dev = device_name(g);
+    let mut rng = Rng(31);
+    // tiny-dsv4's indexer (8 heads of 32), DeepSeek V4 Flash's dim, an odd one.
+    for &(heads, dim, have) in &[(8usize, 32usize, 37usize), (2, 128, 70), (3, 20, 9)] {
+        let entries: Vec<f32> = (0..have * dim).map(|_| rng.activation()).collect();
+        let n_q = gpu::GPU_QUERIES;
+        let q: Vec<f32> = (0..n_q * heads * dim).map(|_| rng.unit()).collect();
+        let w: Vec<f32> = (0..n_q * heads).map(|_| rng.unit()).collect();
+        let mut offs = vec![0i32];
+        for j in 0..n_q {
+            let seen = if j == 1 { have } else { (5 * j) % (have + 1) };
+            offs.push(offs[j] + seen as i32);
+        }
+        let scale = 1.0 / (dim as f32).sqrt();
+        let got = g
+            .index_scores(&entries, &q, &w, &offs, heads, dim, scale)
+            .unwrap();
+        assert_eq!(got.len(), offs[n_q] as usize, "{dev}");
+        let (mut finite, mut positive) = (0, 0);
+        for j in 0..n_q {
+            let seen = (offs[j + 1] - offs[j]) as usize;
+            let want = bespoke::reference::index_scores(
+                &entries[..seen * dim],
+                &q[j * heads * dim..(j + 1) * heads * dim],
+                &w[j * heads..(j + 1) * heads],
+                dim,
+                scale,
+            );
+            for (e, (a, b)) in got[offs[j] as usize..offs[j + 1] as usize]
+                .iter()
+                .zip(&want)
+                .enumerate()
+            {
+                assert!(
+                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                    "{dev}: {heads} heads of {dim}, query {j}, entry {e}: {a:e} vs CPU {b:e}"
+                );
+                finite += a.is_finite() as usize;
+                positive += (*a > 0.0) as usize;
+            }
+        }
+        assert!(
+            finite > got.len() / 2 && positive > 0 && positive < finite,
+            "{dev}: {finite} finite and {positive} positive of {} scores",
+            got.len()
+        );
+        println!("{dev}: index scores, {heads} heads of {dim}, {n_q} queries over up to {have} entries: bit for bit");
+        let run = |offs: &[i32], q: &[f32], w: &[f32]| {
+            g.index_scores(&entries, q, w, offs, heads, dim, scale)
+        };
+        let (q1, w1) = (&q[..heads * dim], &w[..heads]);
+        let (q2, w2) = (&q[..2 * heads * dim], &w[..2 * heads]);
+        let many = |n: usize, v: &[f32]| -> Vec<f32> {
+            v.iter().cycle().take(n * v.len()).copied().collect()
+        };
+        for (what, e) in [
+            (
+                "more entries than there are",
+                run(&[0, have as i32 + 1], q1, w1),
+            ),
+            ("offsets that fall", run(&[0, 2, 1], q2, w2)),
+            ("offsets not from 0", run(&[1, 2], q1, w1)),
+            ("no query", run(&[0], &[], &[])),
+            ("q for another count", run(&[0, 1, 2], q1, w2)),
+            ("w for another count", run(&[0, 1, 2], q2, w1)),
+            (
+                "more queries than a launch takes",
+                run(&vec![0; n_q + 2], &many(n_q + 1, q1), &many(n_q + 1, w1)),
+            ),
+        ] {
+            let e = e.expect_err(what);
+            assert!(e.contains("indexer scores"), "{dev}: {what}: {e}");
+        }
+    }
+}
+
 /// `bench gpu`'s attention timing (run on a GPU by tools/gpu-check.sh): each
 /// kernel family times on every device, and a kernel of another family or
 /// another shape is refused before anything is launched.

@@ -381,10 +381,11 @@ pub struct Dsv4Cache {
     pub len: usize,
     pub capacity: usize,
     /// With a VRAM tier: the same key rows on the GPU, where this sequence's
-    /// attention then runs (the indexer's choice stays on the CPU). Row r of
-    /// a layer is window row r below the ring, compressed entry r − ring
-    /// above it. The CPU rows are always kept, so a failed GPU call falls
-    /// back without losing anything.
+    /// attention then runs, and the indexers' entries, where their scores
+    /// are computed (bit for bit the CPU's, so the top-k, made on the CPU,
+    /// picks the same entries). Row r of a layer is window row r below the
+    /// ring, compressed entry r − ring above it. The CPU rows are always
+    /// kept, so a failed GPU call falls back without losing anything.
     gpu: Option<Box<crate::gpu::RowKv>>,
 }
 
@@ -392,6 +393,19 @@ impl Dsv4Cache {
     /// Whether this sequence's attention runs on the GPU.
     pub fn attention_on_gpu(&self) -> bool {
         self.gpu.is_some()
+    }
+
+    /// Whether the lightning indexers score on the GPU (every CSA layer's
+    /// entries kept there); None where the model has no indexer.
+    pub fn indexer_on_gpu(&self) -> Option<bool> {
+        let mut csa = self
+            .layers
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.index.is_some())
+            .peekable();
+        csa.peek()?;
+        Some(csa.all(|(i, _)| self.gpu.as_ref().is_some_and(|g| g.has_index(i))))
     }
 }
 
@@ -868,11 +882,26 @@ impl<'m> Dsv4Model<'m> {
                 ring + entries
             })
             .collect();
+        // The indexers' entries, where the model has CSA layers.
+        let layer_entries: Vec<usize> = self
+            .layers
+            .iter()
+            .map(|l| l.indexer.as_ref().map_or(0, |ix| capacity / ix.comp.ratio))
+            .collect();
+        let index = layer_entries
+            .iter()
+            .any(|&e| e > 0)
+            .then_some(crate::gpu::IndexGeo {
+                layer_entries,
+                heads: self.index_heads,
+                dim: self.index_dim,
+            });
         crate::gpu::RowKvGeo {
             layer_rows,
             n_heads: self.heads,
             head_dim: self.head_dim,
             max_keys,
+            index,
         }
     }
 
@@ -1185,52 +1214,116 @@ impl<'m> Dsv4Model<'m> {
         let mut dots: Vec<f32> = Vec::new();
         // Each query's keys as rows (below `ring`: window row, above:
         // compressed entry row − ring), offs[j]..offs[j+1] for query g0 + j.
-        // On the CPU a query runs as soon as its list is made; on the GPU
-        // up to GPU_QUERIES of them go in one launch.
+        // Queries go in groups: one at a time on the CPU, up to GPU_QUERIES
+        // on the GPU (the ring keeps a group's window rows). A group first
+        // takes its tokens into the window and the compressors, then the
+        // indexer scores the queries that choose (all of them in one launch
+        // on the GPU), then each query's row list is made, then attention.
         let mut rows: Vec<i32> = Vec::new();
         let mut offs: Vec<i32> = vec![0];
-        let mut g0 = 0;
+        // Per query of the group: the compressed entries it sees.
+        let mut visible: Vec<usize> = Vec::with_capacity(crate::gpu::GPU_QUERIES);
+        // The group's indexer scores from the GPU: query j's at
+        // gscores[soffs[j]..soffs[j+1]] (empty for a query that takes every entry).
+        let (mut gscores, mut soffs): (Vec<f32>, Vec<i32>) = (Vec::new(), vec![0]);
         let mut sent = st.comp.as_ref().map_or(0, |cs| cs.count(hd));
-        for t in 0..n {
-            let p = pos0 + t;
-            st.window[(p % ring) * hd..(p % ring + 1) * hd]
-                .copy_from_slice(&kv[t * hd..(t + 1) * hd]);
-            if let (Some(c), Some(cs), Some((ckv, cg))) = (&l.comp, st.comp.as_mut(), &comp_proj) {
-                let cw = c.width();
-                cs.push(
-                    c,
-                    &self.rope_comp,
-                    (&ckv[t * cw..(t + 1) * cw], &cg[t * cw..(t + 1) * cw]),
-                    p,
-                    self.eps,
-                    &mut tbl,
-                );
+        let mut isent = st.index.as_ref().map_or(0, |is| is.count(id));
+        let mut g0 = 0;
+        while g0 < n {
+            let g1 = match gpu {
+                Some(_) => (g0 + crate::gpu::GPU_QUERIES).min(n),
+                None => g0 + 1,
+            };
+            visible.clear();
+            for t in g0..g1 {
+                let p = pos0 + t;
+                st.window[(p % ring) * hd..(p % ring + 1) * hd]
+                    .copy_from_slice(&kv[t * hd..(t + 1) * hd]);
+                if let (Some(c), Some(cs), Some((ckv, cg))) =
+                    (&l.comp, st.comp.as_mut(), &comp_proj)
+                {
+                    let cw = c.width();
+                    cs.push(
+                        c,
+                        &self.rope_comp,
+                        (&ckv[t * cw..(t + 1) * cw], &cg[t * cw..(t + 1) * cw]),
+                        p,
+                        self.eps,
+                        &mut tbl,
+                    );
+                }
+                if let (Some(ix), Some(is), Some((ikv, ig, _, _))) =
+                    (&l.indexer, st.index.as_mut(), &index_proj)
+                {
+                    let cw = ix.comp.width();
+                    is.push(
+                        &ix.comp,
+                        &self.rope_comp,
+                        (&ikv[t * cw..(t + 1) * cw], &ig[t * cw..(t + 1) * cw]),
+                        p,
+                        self.eps,
+                        &mut tbl,
+                    );
+                }
+                visible.push(st.comp.as_ref().map_or(0, |cs| cs.count(hd)));
             }
-            if let (Some(ix), Some(is), Some((ikv, ig, _, _))) =
-                (&l.indexer, st.index.as_mut(), &index_proj)
+            let chooses = |v: usize| v > self.index_topk;
+            // The indexer on the GPU: its new entries, then the scores of
+            // the group's choosing queries in one launch.
+            let mut scored_on_gpu = false;
+            if let (Some(m), Some(is), Some((_, _, iq, iw))) =
+                (gpu.as_mut(), &st.index, &index_proj)
             {
-                let cw = ix.comp.width();
-                is.push(
-                    &ix.comp,
-                    &self.rope_comp,
-                    (&ikv[t * cw..(t + 1) * cw], &ig[t * cw..(t + 1) * cw]),
-                    p,
-                    self.eps,
-                    &mut tbl,
-                );
+                if m.has_index(li) {
+                    let now = is.count(id);
+                    soffs.truncate(1);
+                    for &v in &visible {
+                        let last = soffs[soffs.len() - 1];
+                        soffs.push(last + if chooses(v) { v as i32 } else { 0 });
+                    }
+                    let res = m
+                        .write_index(li, isent, &is.entries[isent * id..now * id])
+                        .and_then(|()| {
+                            m.index_scores(
+                                li,
+                                &iq[g0 * ih * id..g1 * ih * id],
+                                &iw[g0 * ih..g1 * ih],
+                                &soffs,
+                                softmax_scale,
+                                &mut gscores,
+                            )
+                        });
+                    isent = now;
+                    match res {
+                        Ok(()) => scored_on_gpu = true,
+                        Err(e) => {
+                            super::gpu_failed(&e);
+                            *gpu = None;
+                        }
+                    }
+                }
             }
-            // Keys: the sliding window (positions p−w+1 ..= p, in order), then
-            // the compressed entries this query sees.
-            let lo = (p + 1).saturating_sub(w);
-            rows.extend((lo..=p).map(|j| (j % ring) as i32));
-            if let Some(cs) = &st.comp {
-                let visible = cs.count(hd);
-                match (&st.index, &index_proj) {
-                    (Some(is), Some((_, _, iq, iw))) if visible > self.index_topk => {
+            // Keys: the sliding window (positions p−w+1 ..= p, in order),
+            // then the compressed entries the query sees or its indexer picked.
+            for (j, t) in (g0..g1).enumerate() {
+                let p = pos0 + t;
+                let lo = (p + 1).saturating_sub(w);
+                rows.extend((lo..=p).map(|j| (j % ring) as i32));
+                if st.comp.is_none() {
+                    offs.push(rows.len() as i32);
+                    continue;
+                }
+                let vis = visible[j];
+                let mut chosen = match (&st.index, &index_proj) {
+                    (Some(_), Some(_)) if chooses(vis) && scored_on_gpu => top_k(
+                        &gscores[soffs[j] as usize..soffs[j + 1] as usize],
+                        self.index_topk,
+                    ),
+                    (Some(is), Some((_, _, iq, iw))) if chooses(vis) => {
                         index_scores(
                             k,
                             IndexQuery {
-                                entries: &is.entries[..visible * id],
+                                entries: &is.entries[..vis * id],
                                 q: &iq[t * ih * id..(t + 1) * ih * id],
                                 w: &iw[t * ih..(t + 1) * ih],
                                 scale: softmax_scale,
@@ -1238,30 +1331,28 @@ impl<'m> Dsv4Model<'m> {
                             &mut dots,
                             &mut scores,
                         )?;
-                        let mut chosen = top_k(&scores, self.index_topk);
-                        chosen.sort_unstable();
-                        rows.extend(chosen.into_iter().map(|e| (ring + e) as i32));
+                        top_k(&scores, self.index_topk)
                     }
-                    // HCA, or a CSA query that sees no more than top-k entries: all of them.
-                    _ => rows.extend((ring..ring + visible).map(|r| r as i32)),
-                }
+                    // HCA, or a CSA query that sees no more than top-k
+                    // entries: all of them.
+                    _ => (0..vis).collect(),
+                };
+                chosen.sort_unstable();
+                rows.extend(chosen.into_iter().map(|e| (ring + e) as i32));
+                offs.push(rows.len() as i32);
             }
-            offs.push(rows.len() as i32);
-            if gpu.is_some() && offs.len() <= crate::gpu::GPU_QUERIES && t + 1 < n {
-                continue;
-            }
-            // Queries g0 ..= t: on the GPU (their new rows first), else or
+            // Queries g0 .. g1: on the GPU (their new rows first), else or
             // if that fails on the CPU.
-            let qs = &q[g0 * h * hd..(t + 1) * h * hd];
-            let out = &mut att[g0 * h * hd..(t + 1) * h * hd];
+            let qs = &q[g0 * h * hd..g1 * h * hd];
+            let out = &mut att[g0 * h * hd..g1 * h * hd];
             let on_gpu = match gpu.as_mut() {
                 Some(m) => {
                     let now = st.comp.as_ref().map_or(0, |cs| cs.count(hd));
                     let sent_now = sent;
                     let res = (|| {
-                        // Window rows of positions pos0+g0 ..= p: one run, or
-                        // two where the ring wraps.
-                        let (mut at, end) = (pos0 + g0, p + 1);
+                        // Window rows of positions pos0+g0 .. pos0+g1: one
+                        // run, or two where the ring wraps.
+                        let (mut at, end) = (pos0 + g0, pos0 + g1);
                         while at < end {
                             let slot = at % ring;
                             let len = (ring - slot).min(end - at);
@@ -1311,7 +1402,7 @@ impl<'m> Dsv4Model<'m> {
             }
             rows.clear();
             offs.truncate(1);
-            g0 = t + 1;
+            g0 = g1;
         }
         // V = K carries rope: rotate each output back by −p.
         for (t, out) in att.chunks_exact_mut(h * hd).enumerate() {
@@ -1501,6 +1592,16 @@ mod tests {
                 assert!(
                     (got as f64 - want).abs() <= tol,
                     "visible {visible}, entry {e}: {got} against {want} (tolerance {tol:e})"
+                );
+            }
+            // And bit for bit the reference's order, which the GPU kernel
+            // (bs_cu_index_scores) follows too: the same top-k either way.
+            let exact = crate::reference::index_scores(&entries, &q, &w, id, 0.125);
+            for (e, (a, b)) in scores.iter().zip(&exact).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "visible {visible}, entry {e}: {a} vs the reference {b}"
                 );
             }
         }

@@ -206,10 +206,16 @@ pub fn check_model(name: &str) {
             let what = format!("{name} / {} / {}", k.isa(), p["name"]);
             let prompt = ids(&p["ids"]);
             let mut cache = CausalLm::new_cache(&eng, prompt.len() + n_new).unwrap();
-            // With the VRAM tier, attention runs on the GPU too.
+            // With the VRAM tier, attention runs on the GPU too, and so do
+            // DeepSeek V4's indexers.
             #[cfg(feature = "cuda")]
             if std::env::var("BESPOKE_TEST_VRAM").is_ok() {
                 assert!(cache.attention_on_gpu(), "{what}: attention on the GPU");
+                assert_eq!(
+                    cache.indexer_on_gpu(),
+                    name.contains("dsv4").then_some(true),
+                    "{what}: the indexers on the GPU"
+                );
             }
             // Teacher forcing, prefill in 64-token chunks (the long prompt crosses one).
             let logits = CausalLm::prefill(&eng, &mut cache, &prompt, 64, true).unwrap();
@@ -261,6 +267,11 @@ pub fn check_model(name: &str) {
                     (cache.attention_on_gpu(), fresh.attention_on_gpu()),
                     (true, true),
                     "{what}: attention on the GPU after the decode, and for the recompute"
+                );
+                assert_eq!(
+                    fresh.indexer_on_gpu(),
+                    cache.indexer_on_gpu(),
+                    "{what}: the recompute's indexers where the decode's are"
                 );
             }
             let full = CausalLm::prefill(&eng, &mut fresh, &all, 7, false).unwrap();
