@@ -976,6 +976,26 @@ mod imp {
     }
 
     /// Weights, scales and activations on the device for one product.
+    /// One SwiGLU expert for [`Gpu::ffn_start`]: down(silu(gate·x) ⊙
+    /// up·x) for `n` tokens `x[n][cols]`, with DeepSeek V4's clamps at
+    /// `limit`. `mats`: gate, up and down, resident, each with whether the
+    /// build has a kernel specialised for its shape; they run on the
+    /// CUDA-core kernels (f32 activations).
+    pub struct FfnJob<'a> {
+        pub mats: [(Arc<DevMat>, bool); 3],
+        pub x: &'a [f32],
+        pub n: usize,
+        pub limit: Option<f32>,
+    }
+
+    /// Experts queued on the GPU by [`Gpu::ffn_start`] whose outputs are not
+    /// yet copied back ([`Gpu::ffn_finish`]), with the device buffers their
+    /// work reads and writes.
+    pub struct FfnBatch {
+        outs: Vec<DevBuf<f32>>,
+        _work: Vec<DevBuf<f32>>,
+    }
+
     pub struct DevMat {
         pub w: DevBuf<u8>,
         pub scale: DevBuf<u8>,
@@ -1192,6 +1212,90 @@ mod imp {
             let mut y = self.zeros::<f32>(m.rows * n)?;
             self.launch(kernel, m, &xd, &mut y, n)?;
             self.dtoh(&y)
+        }
+
+        /// Queue SwiGLU experts on the GPU: per job one upload of x, then
+        /// gate and up, the activation (bs_cu_swiglu) and down, all on the
+        /// device, with nothing copied back; [`Gpu::ffn_finish`] copies the
+        /// outputs back, waiting for the work. Until then the GPU works on
+        /// its own, so the caller can run the other experts on the CPU. Err:
+        /// a job whose shapes do not chain, or a launch that failed.
+        pub fn ffn_start(&self, jobs: &[FfnJob]) -> Result<FfnBatch, String> {
+            let mut batch = FfnBatch {
+                outs: Vec::with_capacity(jobs.len()),
+                _work: Vec::with_capacity(3 * jobs.len()),
+            };
+            for j in jobs {
+                let [(g, gs), (u, us), (dn, ds)] = &j.mats;
+                let (n, i) = (j.n, g.rows);
+                if u.rows != i
+                    || u.cols != g.cols
+                    || dn.cols != i
+                    || n.checked_mul(i).map_or(true, |v| v > i32::MAX as usize)
+                {
+                    return Err(format!(
+                        "an expert on the GPU: gate {}×{}, up {}×{} and down {}×{} do not chain for {n} tokens",
+                        g.rows, g.cols, u.rows, u.cols, dn.rows, dn.cols
+                    ));
+                }
+                let kernel = |m: &DevMat, sp: bool| {
+                    super::core_kernel(m.format, n, sp.then_some((m.rows, m.cols)))
+                };
+                let (kg, ku, kd) = (kernel(g, *gs), kernel(u, *us), kernel(dn, *ds));
+                self.check_product(&kg, g, j.x.len(), n)?;
+                self.check_product(&ku, u, j.x.len(), n)?;
+                self.check_product(&kd, dn, n * i, n)?;
+                let xd = self.htod(j.x, "copying activations")?;
+                let mut gd = self.zeros::<f32>(n * i)?;
+                let mut ud = self.zeros::<f32>(n * i)?;
+                let mut y = self.zeros::<f32>(n * dn.rows)?;
+                // Checked: x holds n × cols of gate and up, gd and ud n × i,
+                // which down takes as its n × cols, and y n × down's rows.
+                self.launch(&kg, g, &xd, &mut gd, n)?;
+                self.launch(&ku, u, &xd, &mut ud, n)?;
+                self.swiglu_launch(&mut gd, &ud, n * i, j.limit)?;
+                self.launch(&kd, dn, &gd, &mut y, n)?;
+                batch.outs.push(y);
+                batch._work.extend([xd, gd, ud]);
+            }
+            Ok(batch)
+        }
+
+        /// The outputs of [`Gpu::ffn_start`]'s jobs, in order (each n × down's
+        /// rows), once the GPU has made them.
+        pub fn ffn_finish(&self, batch: FfnBatch) -> Result<Vec<Vec<f32>>, String> {
+            batch.outs.iter().map(|y| self.dtoh(y)).collect()
+        }
+
+        /// g = silu(g) ⊙ u over `n` elements (clamped at `limit`).
+        fn swiglu_launch(
+            &self,
+            g: &mut DevBuf<f32>,
+            u: &DevBuf<f32>,
+            n: usize,
+            limit: Option<f32>,
+        ) -> Result<(), String> {
+            if n > g.len() || n > u.len() || n > i32::MAX as usize {
+                return Err(format!(
+                    "swiglu over {n} of {} and {} values",
+                    g.len(),
+                    u.len()
+                ));
+            }
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(128).clamp(1, 65535) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // bs_cu_swiglu's parameters in order; g and u hold n (checked).
+            let mut args = vec![
+                Arg::F32Out(g),
+                Arg::F32(u),
+                Arg::I32(n as i32),
+                Arg::F32Val(limit.unwrap_or(0.0)),
+                Arg::I32(limit.is_some() as i32),
+            ];
+            self.run("bs_cu_swiglu", cfg, &mut args)
         }
 
         /// Seconds per launch of an attention kernel at `shape` over t_len
@@ -1969,7 +2073,9 @@ mod imp {
 }
 
 #[cfg(feature = "cuda")]
-pub use imp::{emulator, emulator_selftest, gpu, DevBuf, DevMat, Gpu, KvMirror, RowKv};
+pub use imp::{
+    emulator, emulator_selftest, gpu, DevBuf, DevMat, FfnBatch, FfnJob, Gpu, KvMirror, RowKv,
+};
 
 /// The VRAM tier: matrices made resident on the GPU, found again by the
 /// address and length of their weight bytes (the model's memory map, which
@@ -2092,6 +2198,35 @@ pub mod tier {
                     .map(|(_, d)| d.bytes as u64)
                     .sum()
             })
+            .unwrap_or(0)
+    }
+
+    /// Per VRAM tier: experts whose outputs came back from [`ffn_finish`].
+    fn ffn_counts() -> &'static Mutex<HashMap<u32, u64>> {
+        static C: OnceLock<Mutex<HashMap<u32, u64>>> = OnceLock::new();
+        C.get_or_init(Default::default)
+    }
+
+    /// Queue SwiGLU experts on the GPU ([`Gpu::ffn_start`]).
+    pub fn ffn_start(jobs: &[FfnJob]) -> Result<FfnBatch, String> {
+        gpu().map_err(str::to_string)?.ffn_start(jobs)
+    }
+
+    /// Their outputs ([`Gpu::ffn_finish`]), counted for tier `id`.
+    pub fn ffn_finish(id: u32, batch: FfnBatch) -> Result<Vec<Vec<f32>>, String> {
+        let out = gpu().map_err(str::to_string)?.ffn_finish(batch)?;
+        if let Ok(mut c) = ffn_counts().lock() {
+            *c.entry(id).or_default() += out.len() as u64;
+        }
+        Ok(out)
+    }
+
+    /// How many experts of tier `id` ran whole on the GPU (gate, up and
+    /// down queued together): the tests' witness that the engines batch.
+    pub fn ffn_experts(id: u32) -> u64 {
+        ffn_counts()
+            .lock()
+            .map(|c| c.get(&id).copied().unwrap_or(0))
             .unwrap_or(0)
     }
 

@@ -1703,6 +1703,41 @@ impl Kernels {
         }
     }
 
+    /// A SwiGLU expert (gate, up, down) as one job for the GPU
+    /// ([`crate::gpu::tier::ffn_start`]): Some where all three matrices are
+    /// resident in this engine's VRAM tier and each would take f32
+    /// activations here for `n` tokens (the activation variants keep their
+    /// per-product path, which gives each product its variant's
+    /// activations).
+    #[cfg(feature = "cuda")]
+    pub fn ffn_job<'x>(
+        &self,
+        mats: [&Matrix; 3],
+        x: &'x [f32],
+        n: usize,
+        limit: Option<f32>,
+    ) -> Option<crate::gpu::FfnJob<'x>> {
+        if self.tier == 0 {
+            return None;
+        }
+        let one = |m: &Matrix| {
+            if self.route(m.format(), n) != Route::F32 {
+                return None;
+            }
+            let d = crate::gpu::tier::resident(self.tier, m)?;
+            Some((
+                d,
+                self.mat_kernel(m.format(), m.rows, m.cols).shape.is_some(),
+            ))
+        };
+        Some(crate::gpu::FfnJob {
+            mats: [one(mats[0])?, one(mats[1])?, one(mats[2])?],
+            x,
+            n,
+            limit,
+        })
+    }
+
     /// y = W x.
     pub fn matvec(&self, m: &Matrix, x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
         #[cfg(feature = "cuda")]

@@ -762,6 +762,108 @@ fn index_scores_on(g: &gpu::Gpu) {
     }
 }
 
+#[test]
+fn experts_run_whole_on_the_gpu() {
+    for g in core_devices() {
+        ffn_on(g);
+    }
+}
+
+/// Gpu::ffn_start / ffn_finish (an MoE layer's resident experts queued
+/// together): each job's output against the same three products launched
+/// one by one with the activation made on the CPU (the engine's silu and
+/// clamps), within the f32 rounding of silu's exp; in one batch, in order;
+/// an expert whose matrices do not chain refused.
+fn ffn_on(g: &gpu::Gpu) {
+    use std::sync::Arc;
+    let dev = device_name(g);
+    let mut rng = Rng(37);
+    // (format, hidden, intermediate, tokens, DeepSeek V4's clamp)
+    let cases = [
+        (Format::Bf16, 64usize, 96usize, 3usize, None),
+        (Format::Fp8, 128, 256, 1, Some(0.5f32)),
+        (Format::Fp4, 64, 32, 5, Some(2.0)),
+        (Format::F32, 40, 24, 2, None),
+    ];
+    let mut owned = Vec::new();
+    for &(f, hidden, inter, n, _) in &cases {
+        let mats = [
+            Owned::new(f, inter, hidden, &mut rng),
+            Owned::new(f, inter, hidden, &mut rng),
+            Owned::new(f, hidden, inter, &mut rng),
+        ];
+        let x: Vec<f32> = (0..n * hidden).map(|_| rng.unit() * 2.0).collect();
+        owned.push((mats, x));
+    }
+    let dev_mats: Vec<[Arc<gpu::DevMat>; 3]> = owned
+        .iter()
+        .map(|(m, _)| {
+            m.each_ref()
+                .map(|o| Arc::new(g.upload_matrix(&o.matrix()).unwrap()))
+        })
+        .collect();
+    let jobs: Vec<gpu::FfnJob> = cases
+        .iter()
+        .zip(&owned)
+        .zip(&dev_mats)
+        .map(|((&(_, _, _, n, limit), (_, x)), d)| gpu::FfnJob {
+            mats: d.clone().map(|m| (m, false)),
+            x,
+            n,
+            limit,
+        })
+        .collect();
+    let got = g.ffn_finish(g.ffn_start(&jobs).unwrap()).unwrap();
+    assert_eq!(got.len(), cases.len(), "{dev}: one output a job");
+    for (((&(f, hidden, inter, n, limit), (mats, x)), d), y) in
+        cases.iter().zip(&owned).zip(&dev_mats).zip(&got)
+    {
+        let kernel = gpu::core_kernel(f, n, None);
+        let gate = g.matmul(&kernel, &d[0], x, n).unwrap();
+        let up = g.matmul(&kernel, &d[1], x, n).unwrap();
+        let act: Vec<f32> = gate
+            .iter()
+            .zip(&up)
+            .map(|(&a, &b)| match limit {
+                None => bespoke::engine::silu(a) * b,
+                Some(l) => bespoke::engine::silu(a.min(l)) * b.clamp(-l, l),
+            })
+            .collect();
+        if limit.is_some() {
+            assert!(
+                gate.iter().chain(&up).any(|&v| v.abs() > limit.unwrap()),
+                "{dev}: the clamp is exercised"
+            );
+        }
+        let want = g.matmul(&kernel, &d[2], &act, n).unwrap();
+        let down = mats[2].matrix();
+        let mag = magnitudes(&down, &act, n);
+        check(
+            &format!("{dev}: {f} expert {hidden}→{inter}→{hidden}, {n} tokens, clamp {limit:?}, whole on the GPU"),
+            y,
+            &want,
+            &mag,
+            8.0 * 2f64.powi(-24),
+        );
+    }
+    // Down's columns must be gate's rows.
+    let bad = gpu::FfnJob {
+        mats: [
+            (dev_mats[0][0].clone(), false),
+            (dev_mats[0][1].clone(), false),
+            (dev_mats[1][2].clone(), false),
+        ],
+        x: &owned[0].1,
+        n: cases[0].3,
+        limit: None,
+    };
+    let e = g
+        .ffn_start(&[bad])
+        .err()
+        .expect("a job whose shapes do not chain");
+    assert!(e.contains("do not chain"), "{dev}: {e}");
+}
+
 /// `bench gpu`'s attention timing (run on a GPU by tools/gpu-check.sh): each
 /// kernel family times on every device, and a kernel of another family or
 /// another shape is refused before anything is launched.
@@ -850,6 +952,56 @@ fn score_runs_with_every_matrix_in_the_vram_tier() {
                 .fold(0.0, f64::max);
             assert!(dist < 1e-3, "{name} on the {dev}: logits moved by {dist}");
             println!("{name} on the {dev}: the CPU's greedy choices, logits within {dist:.1e}");
+        }
+    }
+}
+
+/// A budget that holds only some routed experts: in each MoE layer the
+/// resident experts run whole on the GPU while the rest run on the CPU at
+/// the same time, and the outputs still add up in expert order: the CPU's
+/// greedy choices, logits within 1e-3.
+#[test]
+fn score_runs_with_some_experts_in_the_vram_tier() {
+    let mut envs: Vec<(&str, Vec<(&str, &str)>)> =
+        vec![("emulator", vec![("BESPOKE_CUDA", "emu")])];
+    if gpu_or_reason().is_some() {
+        envs.push(("GPU", vec![]));
+    }
+    // Budgets (GiB) that hold every dense matrix and part of the experts.
+    for (name, gib) in [("tiny-qwen3-moe", "0.0002"), ("tiny-dsv4", "0.0007")] {
+        let (ok, cpu, err) = score_last(name, &[], &[("BESPOKE_CUDA", "off")]);
+        assert!(ok, "{name} on the CPU: {err}");
+        let cpu = last_logits(&cpu);
+        for (dev, env) in &envs {
+            let (ok, out, err) = score_last(name, &["--vram", gib], env);
+            assert!(ok, "{name} on the {dev}: {err}");
+            let line = err
+                .lines()
+                .find(|l| l.contains("CUDA: VRAM tier"))
+                .unwrap_or("");
+            let counts: Vec<usize> = line
+                .split(" routed experts")
+                .next()
+                .and_then(|h| h.rsplit(", ").next())
+                .map(|h| h.split(" of ").filter_map(|v| v.parse().ok()).collect())
+                .unwrap_or_default();
+            assert!(
+                counts.len() == 2 && counts[0] > 0 && counts[0] < counts[1],
+                "{name} on the {dev}: some but not all experts resident: {line}"
+            );
+            assert!(!err.contains("failed"), "{name} on the {dev}: {err}");
+            let (am, l) = last_logits(&out);
+            assert_eq!(am, cpu.0, "{name} on the {dev}: greedy choices");
+            let dist = l
+                .iter()
+                .zip(&cpu.1)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f64::max);
+            assert!(dist < 1e-3, "{name} on the {dev}: logits moved by {dist}");
+            println!(
+                "{name} on the {dev}, {} of {} experts resident: the CPU's greedy choices, logits within {dist:.1e}",
+                counts[0], counts[1]
+            );
         }
     }
 }

@@ -1489,9 +1489,18 @@ impl<'m> Dsv4Model<'m> {
         }
         let mut out = scratch::zeroed(n * d);
         // Experts in index order, each over its tokens (transformers' order).
-        super::add_routed_experts(&chosen, x, d, &mut out, &self.usage, li, |e, xe, g, ye| {
-            self.swiglu(&m.experts[e], xe, g, Some(self.swiglu_limit), ye)
-        })?;
+        super::add_routed_experts(
+            k,
+            &chosen,
+            x,
+            d,
+            &mut out,
+            &self.usage,
+            li,
+            &m.experts,
+            Some(self.swiglu_limit),
+            self.aq(),
+        )?;
         if let Some(sh) = &m.shared {
             let mut y = scratch::stale(n * d);
             let limit = match self.numerics {

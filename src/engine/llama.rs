@@ -537,10 +537,18 @@ impl<'m> LlamaModel<'m> {
                 out[..n * d].fill(0.0);
                 // Experts in index order, each over its group of tokens at once
                 // (transformers adds them in the same order).
-                super::add_routed_experts(&chosen, x, d, out, &self.usage, li, |e, xe, m, ye| {
-                    let [g, u, dn] = &experts[e];
-                    swiglu(k, [g, u, dn], xe, m, None, false, ye)
-                })
+                super::add_routed_experts(
+                    k,
+                    &chosen,
+                    x,
+                    d,
+                    out,
+                    &self.usage,
+                    li,
+                    experts,
+                    None,
+                    false,
+                )
             }
         }
     }

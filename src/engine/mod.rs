@@ -68,32 +68,37 @@ pub fn prefill_chunks(
 
 /// The routed experts' part of an MoE block: `out` (n × d) gets, for every
 /// expert in index order that any token chose (`chosen[e]`: its tokens and
-/// their weights, in token order), `expert(e, xe, g, ye)` run once over its
-/// g tokens' rows of `x` at once, each row added back scaled by its weight
-/// (transformers adds the experts in the same order). Each expert's use is
-/// recorded in `usage` for layer `layer`.
+/// their weights, in token order), the SwiGLU of `experts[e]` (gate, up,
+/// down; clamped at `limit`; activations FP8-quantized with `act_quant`)
+/// run once over its g tokens' rows of `x` at once, each row added back
+/// scaled by its weight (transformers adds the experts in the same order).
+/// Each expert's use is recorded in `usage` for layer `layer`.
+///
+/// With a VRAM tier, the experts whose three matrices are all resident run
+/// whole on the GPU, queued together ([`crate::gpu::tier::ffn_start`]: one
+/// upload and one copy back each, no wait between their products), while
+/// the others run on the CPU; a GPU failure sends its experts to the CPU
+/// (said once). Either way the outputs are added in expert order.
+#[allow(clippy::too_many_arguments)]
 pub fn add_routed_experts(
+    k: &Kernels,
     chosen: &[Vec<(usize, f32)>],
     x: &[f32],
     d: usize,
     out: &mut [f32],
     usage: &crate::placement::UsageCounter,
     layer: usize,
-    mut expert: impl FnMut(usize, &[f32], usize, &mut [f32]) -> Result<(), EngineError>,
+    experts: &[[Mat; 3]],
+    limit: Option<f32>,
+    act_quant: bool,
 ) -> Result<(), EngineError> {
-    let (mut xe, mut ye) = (Vec::new(), Vec::new());
-    for (e, group) in chosen.iter().enumerate() {
-        if group.is_empty() {
-            continue;
-        }
-        usage.record(layer, e, group.len());
-        let g = group.len();
+    let gather = |group: &[(usize, f32)], xe: &mut Vec<f32>| {
         xe.clear();
         for &(t, _) in group {
             xe.extend_from_slice(&x[t * d..(t + 1) * d]);
         }
-        ye.resize(g * d, 0.0);
-        expert(e, &xe, g, &mut ye)?;
+    };
+    let add = |group: &[(usize, f32)], ye: &[f32], out: &mut [f32]| {
         for (j, &(t, w)) in group.iter().enumerate() {
             for (o, y) in out[t * d..(t + 1) * d]
                 .iter_mut()
@@ -102,6 +107,89 @@ pub fn add_routed_experts(
                 *o += y * w;
             }
         }
+    };
+    #[cfg(feature = "cuda")]
+    if !act_quant && k.tier() != 0 {
+        let active: Vec<usize> = (0..chosen.len())
+            .filter(|&e| !chosen[e].is_empty())
+            .collect();
+        let xs: Vec<Vec<f32>> = active
+            .iter()
+            .map(|&e| {
+                let mut xe = Vec::new();
+                gather(&chosen[e], &mut xe);
+                xe
+            })
+            .collect();
+        let mut jobs = Vec::new();
+        let mut on_gpu = vec![false; active.len()];
+        for (i, &e) in active.iter().enumerate() {
+            let [g, u, dn] = &experts[e];
+            let (g, u, dn) = (g.matrix()?, u.matrix()?, dn.matrix()?);
+            if let Some(job) = k.ffn_job([&g, &u, &dn], &xs[i], chosen[e].len(), limit) {
+                jobs.push(job);
+                on_gpu[i] = true;
+            }
+        }
+        if !jobs.is_empty() {
+            for &e in &active {
+                usage.record(layer, e, chosen[e].len());
+            }
+            let batch = crate::gpu::tier::ffn_start(&jobs);
+            drop(jobs);
+            // The other experts on the CPU meanwhile.
+            let mut ys: Vec<Vec<f32>> = vec![Vec::new(); active.len()];
+            let cpu = |i: usize, ys: &mut Vec<Vec<f32>>| -> Result<(), EngineError> {
+                let e = active[i];
+                let [g, u, dn] = &experts[e];
+                ys[i] = vec![0.0; chosen[e].len() * d];
+                swiglu(
+                    k,
+                    [g, u, dn],
+                    &xs[i],
+                    chosen[e].len(),
+                    limit,
+                    false,
+                    &mut ys[i],
+                )
+            };
+            for i in (0..active.len()).filter(|&i| !on_gpu[i]) {
+                cpu(i, &mut ys)?;
+            }
+            match batch.and_then(|b| crate::gpu::tier::ffn_finish(k.tier(), b)) {
+                Ok(done) => {
+                    let at = (0..active.len()).filter(|&i| on_gpu[i]);
+                    for (i, y) in at.zip(done) {
+                        ys[i] = y;
+                    }
+                }
+                Err(e) => {
+                    static SAID: std::sync::Once = std::sync::Once::new();
+                    SAID.call_once(|| {
+                        eprintln!("CUDA: experts on the GPU failed ({e}); running them on the CPU")
+                    });
+                    for i in (0..active.len()).filter(|&i| on_gpu[i]) {
+                        cpu(i, &mut ys)?;
+                    }
+                }
+            }
+            for (i, &e) in active.iter().enumerate() {
+                add(&chosen[e], &ys[i], out);
+            }
+            return Ok(());
+        }
+    }
+    let (mut xe, mut ye) = (Vec::new(), Vec::new());
+    for (e, group) in chosen.iter().enumerate() {
+        if group.is_empty() {
+            continue;
+        }
+        usage.record(layer, e, group.len());
+        gather(group, &mut xe);
+        ye.resize(group.len() * d, 0.0);
+        let [g, u, dn] = &experts[e];
+        swiglu(k, [g, u, dn], &xe, group.len(), limit, act_quant, &mut ye)?;
+        add(group, &ye, out);
     }
     Ok(())
 }

@@ -280,6 +280,20 @@ pub fn check_model(name: &str) {
                 "{what}: cached decode differs from a full recompute"
             );
         }
+        // With every expert resident, the MoE models' experts ran whole on
+        // the GPU (gate, up and down queued together), none fell back.
+        #[cfg(feature = "cuda")]
+        if std::env::var("BESPOKE_TEST_VRAM").is_ok()
+            && (name.contains("moe") || name.contains("dsv4"))
+        {
+            let ran = bespoke::gpu::tier::ffn_experts(eng.kernels().tier());
+            assert!(
+                ran > 0,
+                "{name} / {}: no expert ran whole on the GPU",
+                k.isa()
+            );
+            eprintln!("{name} / {}: {ran} experts whole on the GPU", k.isa());
+        }
     }
 }
 
