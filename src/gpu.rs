@@ -2201,7 +2201,7 @@ pub mod tier {
             .unwrap_or(0)
     }
 
-    /// Per VRAM tier: experts whose outputs came back from [`ffn_finish`].
+    /// Per VRAM tier: SwiGLU blocks whose outputs came back from [`ffn_finish`].
     fn ffn_counts() -> &'static Mutex<HashMap<u32, u64>> {
         static C: OnceLock<Mutex<HashMap<u32, u64>>> = OnceLock::new();
         C.get_or_init(Default::default)
@@ -2221,9 +2221,10 @@ pub mod tier {
         Ok(out)
     }
 
-    /// How many experts of tier `id` ran whole on the GPU (gate, up and
-    /// down queued together): the tests' witness that the engines batch.
-    pub fn ffn_experts(id: u32) -> u64 {
+    /// How many SwiGLU blocks (experts, dense MLPs) of tier `id` ran whole
+    /// on the GPU (gate, up and down queued together): the tests' witness
+    /// that the engines use [`ffn_start`].
+    pub fn ffn_blocks(id: u32) -> u64 {
         ffn_counts()
             .lock()
             .map(|c| c.get(&id).copied().unwrap_or(0))

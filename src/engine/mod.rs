@@ -143,7 +143,7 @@ pub fn add_routed_experts(
                 let e = active[i];
                 let [g, u, dn] = &experts[e];
                 ys[i] = vec![0.0; chosen[e].len() * d];
-                swiglu(
+                swiglu_products(
                     k,
                     [g, u, dn],
                     &xs[i],
@@ -164,10 +164,7 @@ pub fn add_routed_experts(
                     }
                 }
                 Err(e) => {
-                    static SAID: std::sync::Once = std::sync::Once::new();
-                    SAID.call_once(|| {
-                        eprintln!("CUDA: experts on the GPU failed ({e}); running them on the CPU")
-                    });
+                    ffn_failed(&e);
                     for i in (0..active.len()).filter(|&i| on_gpu[i]) {
                         cpu(i, &mut ys)?;
                     }
@@ -523,7 +520,52 @@ pub fn silu(x: f32) -> f32 {
 
 /// down(silu(gate·x) ⊙ up·x) for n tokens. With `limit` L (DeepSeek V4's
 /// swiglu_limit) the gate is capped at L and up clamped to [−L, L] first.
+/// With a VRAM tier holding all three matrices it runs whole on the GPU
+/// (one upload, one copy back: [`crate::gpu::tier::ffn_start`]); else, or
+/// if that fails (said once), product by product.
 pub fn swiglu(
+    k: &Kernels,
+    mats: [&Mat; 3],
+    x: &[f32],
+    n: usize,
+    limit: Option<f32>,
+    act_quant: bool,
+    out: &mut [f32],
+) -> Result<(), EngineError> {
+    #[cfg(feature = "cuda")]
+    if !act_quant && k.tier() != 0 {
+        let [g, u, d] = mats;
+        let (g, u, d) = (g.matrix()?, u.matrix()?, d.matrix()?);
+        if let Some(job) = k.ffn_job([&g, &u, &d], x, n, limit) {
+            let rows = d.rows();
+            match crate::gpu::tier::ffn_start(&[job])
+                .and_then(|b| crate::gpu::tier::ffn_finish(k.tier(), b))
+            {
+                Ok(y) if y.len() == 1 && y[0].len() == n * rows => {
+                    out[..n * rows].copy_from_slice(&y[0]);
+                    return Ok(());
+                }
+                Ok(_) => ffn_failed("the GPU gave back another length"),
+                Err(e) => ffn_failed(&e),
+            }
+        }
+    }
+    swiglu_products(k, mats, x, n, limit, act_quant, out)
+}
+
+/// A SwiGLU block on the GPU failed: said once, and it runs product by
+/// product.
+#[cfg(feature = "cuda")]
+fn ffn_failed(e: &str) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        eprintln!("CUDA: a SwiGLU block on the GPU failed ({e}); running it product by product")
+    });
+}
+
+/// [`swiglu`] product by product (each product still on the GPU where its
+/// matrix is resident).
+fn swiglu_products(
     k: &Kernels,
     [gate, up, down]: [&Mat; 3],
     x: &[f32],

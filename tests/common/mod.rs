@@ -280,19 +280,17 @@ pub fn check_model(name: &str) {
                 "{what}: cached decode differs from a full recompute"
             );
         }
-        // With every expert resident, the MoE models' experts ran whole on
-        // the GPU (gate, up and down queued together), none fell back.
+        // With every matrix resident, every model's SwiGLU blocks (the MoE
+        // models' experts, the dense MLPs) ran whole on the GPU.
         #[cfg(feature = "cuda")]
-        if std::env::var("BESPOKE_TEST_VRAM").is_ok()
-            && (name.contains("moe") || name.contains("dsv4"))
-        {
-            let ran = bespoke::gpu::tier::ffn_experts(eng.kernels().tier());
+        if std::env::var("BESPOKE_TEST_VRAM").is_ok() {
+            let ran = bespoke::gpu::tier::ffn_blocks(eng.kernels().tier());
             assert!(
                 ran > 0,
-                "{name} / {}: no expert ran whole on the GPU",
+                "{name} / {}: no SwiGLU block ran whole on the GPU",
                 k.isa()
             );
-            eprintln!("{name} / {}: {ran} experts whole on the GPU", k.isa());
+            eprintln!("{name} / {}: {ran} SwiGLU blocks whole on the GPU", k.isa());
         }
     }
 }
