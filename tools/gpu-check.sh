@@ -16,11 +16,14 @@
 #     generic and specialised) and every tensor-core path the device's image
 #     has, against the CPU reference within their bounds; fp4×q8 on INT8
 #     tensor cores bit for bit; attention (decode, causal, DeepSeek V4's row
-#     lists) (the same checks also run on the CPU emulator of the CUDA
-#     kernels, as they do in CI);
+#     lists); DeepSeek V4's indexer scores bit for bit; SwiGLU blocks whole
+#     on the GPU, and `score` with only some experts resident (the same
+#     checks also run on the CPU emulator of the CUDA kernels, as they do in
+#     CI);
 #   * the fixture oracle tests (tests/engine.rs, tests/dsv4.rs) with every
-#     matrix in the VRAM tier and attention on the GPU (BESPOKE_TEST_VRAM):
-#     token-exact against transformers;
+#     matrix in the VRAM tier, attention, DeepSeek V4's indexers and every
+#     SwiGLU block on the GPU (BESPOKE_TEST_VRAM): token-exact against
+#     transformers;
 #   * `bespoke plan`, and `bespoke bench gpu` (GB/s against the card's peak,
 #     matrices and attention).
 # It writes OUTDIR/summary.md (default target/gpu-check) and the logs beside it.
@@ -94,7 +97,7 @@ for t in "${tests[@]}"; do
   if runtest "$t" > "$out/test-$t.log" 2>&1; then r=passed; else r=FAILED; fail=1; fi
   echo "- $t: $r — $(grep -E '^test result' "$out/test-$t.log" | tail -1)" >> "$summary"
   # (tests/gpu.rs runs its checks on the CPU emulator too: only the GPU's lines here)
-  grep -E "worst|bit-identical|ok \(|attention hd|bs_cu_attn_|greedy" "$out/test-$t.log" | grep -v "emulator" | sed 's/^/    /' >> "$summary"
+  grep -E "worst|bit-identical|bit for bit|ok \(|attention hd|bs_cu_attn_|greedy|SwiGLU blocks" "$out/test-$t.log" | grep -v "emulator" | sed 's/^/    /' >> "$summary"
 done
 
 echo -e "\n## bespoke plan (CUDA side)\n\n\`\`\`" >> "$summary"
@@ -105,6 +108,23 @@ echo -e "\n## bespoke bench gpu\n\n\`\`\`" >> "$summary"
 if ! $bin bench gpu --json "$out/bench-gpu.json" >> "$summary" 2> "$out/bench-gpu.err"; then
   fail=1; tail -5 "$out/bench-gpu.err" >> "$summary"
 fi
+echo '```' >> "$summary"
+
+# A whole model, weights and attention in VRAM against the CPU: on a fixture
+# this small the time is the launches' and the waits', which the SwiGLU
+# blocks (one wait each, the MoE layer's experts queued together) cut.
+echo -e "\n## bespoke bench e2e: tiny-dsv4 and tiny-qwen3-moe, --vram 8 then the CPU\n\n\`\`\`" >> "$summary"
+for m in tiny-dsv4 tiny-qwen3-moe; do
+  for dev in gpu cpu; do
+    echo "$m, $dev:" >> "$summary"
+    if [ "$dev" = gpu ]; then
+      $bin bench e2e --model "fixtures/$m" --quick --vram 8 > "$out/e2e-$m-$dev.log" 2>&1 || fail=1
+    else
+      BESPOKE_CUDA=off $bin bench e2e --model "fixtures/$m" --quick > "$out/e2e-$m-$dev.log" 2>&1 || fail=1
+    fi
+    grep -E "^threads|VRAM tier|failed" "$out/e2e-$m-$dev.log" >> "$summary"
+  done
+done
 echo '```' >> "$summary"
 cat "$summary"
 exit $fail
