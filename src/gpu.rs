@@ -614,7 +614,7 @@ mod imp {
         /// bit): query j, with heads `q[j][heads × dim]` and head weights
         /// `w[j][heads]`, against the layer's first `offs[j + 1] − offs[j]`
         /// entries, into `scores[offs[j] ..]` (`scores` is resized to
-        /// offs[n]). A query with no entries (an empty range) costs nothing.
+        /// `offs[n]`). A query with no entries (an empty range) costs nothing.
         pub fn index_scores(
             &mut self,
             layer: usize,
@@ -861,11 +861,7 @@ mod imp {
     /// Ok: what was checked.
     pub fn emulator_selftest() -> Result<String, String> {
         let g = emulator();
-        let cfg = |blocks: u32| LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = |blocks: u32| blocks128(blocks, 1);
         let n = 128usize;
         let mut out = g.zeros::<f32>(3 * 4 * n)?;
         g.run(
@@ -969,6 +965,16 @@ mod imp {
             image,
             total_mem,
         })
+    }
+
+    /// A launch of 128-thread blocks on an x × y grid (every kernel here
+    /// takes 128 threads a block).
+    fn blocks128(x: u32, y: u32) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (x, y, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        }
     }
 
     fn derr(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
@@ -1282,11 +1288,7 @@ mod imp {
                     u.len()
                 ));
             }
-            let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(128).clamp(1, 65535) as u32, 1, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = blocks128(n.div_ceil(128).clamp(1, 65535) as u32, 1);
             // bs_cu_swiglu's parameters in order; g and u hold n (checked).
             let mut args = vec![
                 Arg::F32Out(g),
@@ -1530,23 +1532,11 @@ mod imp {
             };
             let cfg = if kernel == "bs_tc_tcgen05_fp4" {
                 // One CTA per 128 rows × 32 columns of X (BS_T5_N).
-                LaunchConfig {
-                    grid_dim: (m.rows.div_ceil(128) as u32, n.div_ceil(32) as u32, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: 0,
-                }
+                blocks128(m.rows.div_ceil(128) as u32, n.div_ceil(32) as u32)
             } else if tc {
-                LaunchConfig {
-                    grid_dim: (m.rows.div_ceil(64) as u32, n.div_ceil(8) as u32, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: 0,
-                }
+                blocks128(m.rows.div_ceil(64) as u32, n.div_ceil(8) as u32)
             } else {
-                LaunchConfig {
-                    grid_dim: (m.rows.div_ceil(4) as u32, 1, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: 0,
-                }
+                blocks128(m.rows.div_ceil(4) as u32, 1)
             };
             // The kernel's parameters in order (templates/cuda.cu.tera); m was
             // uploaded from a checked Matrix (its weights and scales hold rows
@@ -1594,11 +1584,7 @@ mod imp {
             };
             let mut q = self.zeros::<u8>(qbytes.max(1))?;
             let mut s = self.zeros::<u8>(sbytes.max(1))?;
-            let cfg = LaunchConfig {
-                grid_dim: (blocks.div_ceil(4).max(1) as u32, 1, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = blocks128(blocks.div_ceil(4).max(1) as u32, 1);
             // (x, codes, scales, cols, n) as the quantize kernels take them;
             // the buffers are sized for cols × n above.
             let mut args = [
@@ -1786,11 +1772,7 @@ mod imp {
             scratch: &mut DevBuf<f32>,
             a: AttnGeo,
         ) -> Result<(), String> {
-            let cfg = LaunchConfig {
-                grid_dim: (a.n_heads as u32, a.n_q.unwrap_or(1) as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = blocks128(a.n_heads as u32, a.n_q.unwrap_or(1) as u32);
             // The parameters of bs_cu_attn_decode* (and n_q last for
             // bs_cu_attn_causal*) in order.
             let mut args = vec![
@@ -1944,11 +1926,7 @@ mod imp {
             (heads, dim, n, most): (usize, usize, usize, usize),
             scale: f32,
         ) -> Result<(), String> {
-            let cfg = LaunchConfig {
-                grid_dim: (most.div_ceil(8) as u32, n as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = blocks128(most.div_ceil(8) as u32, n as u32);
             // The parameters of bs_cu_index_scores in order.
             let mut args = vec![
                 Arg::F32(bufs[0]),
@@ -1980,11 +1958,7 @@ mod imp {
             (n_heads, head_dim, n): (usize, usize, usize),
             scale: f32,
         ) -> Result<(), String> {
-            let cfg = LaunchConfig {
-                grid_dim: (n_heads as u32, n as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = blocks128(n_heads as u32, n as u32);
             // The parameters of bs_cu_attn_rows* in order.
             let mut args = vec![
                 Arg::F32(bufs[0]),

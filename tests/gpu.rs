@@ -911,6 +911,36 @@ fn attention_timing_launches_only_its_kernels() {
     }
 }
 
+/// `score` of fixture `name` with `flags`, on the emulator and on the GPU
+/// where there is one, against `score` on the CPU: the same greedy choices
+/// and logits within 1e-3; `check(dev, stderr)` looks at what it said.
+fn score_against_the_cpu(name: &str, flags: &[&str], check: impl Fn(&str, &str)) {
+    let mut envs: Vec<(&str, Vec<(&str, &str)>)> =
+        vec![("emulator", vec![("BESPOKE_CUDA", "emu")])];
+    if gpu_or_reason().is_some() {
+        envs.push(("GPU", vec![]));
+    }
+    let (ok, cpu, err) = score_last(name, &[], &[("BESPOKE_CUDA", "off")]);
+    assert!(ok, "{name} on the CPU: {err}");
+    let cpu = last_logits(&cpu);
+    for (dev, env) in &envs {
+        let (ok, out, err) = score_last(name, flags, env);
+        assert!(ok, "{name} on the {dev}: {err}");
+        check(dev, &err);
+        let (am, l) = last_logits(&out);
+        assert_eq!(am, cpu.0, "{name} on the {dev}: greedy choices");
+        let dist = l
+            .iter()
+            .zip(&cpu.1)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(dist < 1e-3, "{name} on the {dev}: logits moved by {dist}");
+        println!(
+            "{name} {flags:?} on the {dev}: the CPU's greedy choices, logits within {dist:.1e}"
+        );
+    }
+}
+
 /// The CLI with the VRAM tier: `score` runs with the fixtures' matrices on the
 /// GPU (and on the emulator), says so, and gives the CPU's greedy choices
 /// with logits within 1e-3 of its own. (The full token-exact oracle checks
@@ -918,18 +948,8 @@ fn attention_timing_launches_only_its_kernels() {
 /// tools/gpu-check.sh on a GPU, by .ci/run on the emulator.)
 #[test]
 fn score_runs_with_every_matrix_in_the_vram_tier() {
-    let mut envs: Vec<(&str, Vec<(&str, &str)>)> =
-        vec![("emulator", vec![("BESPOKE_CUDA", "emu")])];
-    if gpu_or_reason().is_some() {
-        envs.push(("GPU", vec![]));
-    }
     for name in ["tiny-llama", "tiny-qwen3-moe", "tiny-dsv4"] {
-        let (ok, cpu, err) = score_last(name, &[], &[("BESPOKE_CUDA", "off")]);
-        assert!(ok, "{name} on the CPU: {err}");
-        let cpu = last_logits(&cpu);
-        for (dev, env) in &envs {
-            let (ok, out, err) = score_last(name, &["--vram", "4"], env);
-            assert!(ok, "{name} on the {dev}: {err}");
+        score_against_the_cpu(name, &["--vram", "4"], |dev, err| {
             assert!(
                 err.contains("CUDA: VRAM tier"),
                 "{name} on the {dev}: {err}"
@@ -939,20 +959,8 @@ fn score_runs_with_every_matrix_in_the_vram_tier() {
                 err.contains("attention on the GPU for sequences of up to"),
                 "{name} on the {dev}: {err}"
             );
-            assert!(
-                !err.contains("attention on the GPU failed"),
-                "{name} on the {dev}: {err}"
-            );
-            let (am, l) = last_logits(&out);
-            assert_eq!(am, cpu.0, "{name} on the {dev}: greedy choices");
-            let dist = l
-                .iter()
-                .zip(&cpu.1)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0, f64::max);
-            assert!(dist < 1e-3, "{name} on the {dev}: logits moved by {dist}");
-            println!("{name} on the {dev}: the CPU's greedy choices, logits within {dist:.1e}");
-        }
+            assert!(!err.contains("failed"), "{name} on the {dev}: {err}");
+        });
     }
 }
 
@@ -962,19 +970,9 @@ fn score_runs_with_every_matrix_in_the_vram_tier() {
 /// greedy choices, logits within 1e-3.
 #[test]
 fn score_runs_with_some_experts_in_the_vram_tier() {
-    let mut envs: Vec<(&str, Vec<(&str, &str)>)> =
-        vec![("emulator", vec![("BESPOKE_CUDA", "emu")])];
-    if gpu_or_reason().is_some() {
-        envs.push(("GPU", vec![]));
-    }
     // Budgets (GiB) that hold every dense matrix and part of the experts.
     for (name, gib) in [("tiny-qwen3-moe", "0.0002"), ("tiny-dsv4", "0.0007")] {
-        let (ok, cpu, err) = score_last(name, &[], &[("BESPOKE_CUDA", "off")]);
-        assert!(ok, "{name} on the CPU: {err}");
-        let cpu = last_logits(&cpu);
-        for (dev, env) in &envs {
-            let (ok, out, err) = score_last(name, &["--vram", gib], env);
-            assert!(ok, "{name} on the {dev}: {err}");
+        score_against_the_cpu(name, &["--vram", gib], |dev, err| {
             let line = err
                 .lines()
                 .find(|l| l.contains("CUDA: VRAM tier"))
@@ -990,19 +988,7 @@ fn score_runs_with_some_experts_in_the_vram_tier() {
                 "{name} on the {dev}: some but not all experts resident: {line}"
             );
             assert!(!err.contains("failed"), "{name} on the {dev}: {err}");
-            let (am, l) = last_logits(&out);
-            assert_eq!(am, cpu.0, "{name} on the {dev}: greedy choices");
-            let dist = l
-                .iter()
-                .zip(&cpu.1)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0, f64::max);
-            assert!(dist < 1e-3, "{name} on the {dev}: logits moved by {dist}");
-            println!(
-                "{name} on the {dev}, {} of {} experts resident: the CPU's greedy choices, logits within {dist:.1e}",
-                counts[0], counts[1]
-            );
-        }
+        });
     }
 }
 

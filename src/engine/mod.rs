@@ -75,7 +75,7 @@ pub fn prefill_chunks(
 /// Each expert's use is recorded in `usage` for layer `layer`.
 ///
 /// With a VRAM tier, the experts whose three matrices are all resident run
-/// whole on the GPU, queued together ([`crate::gpu::tier::ffn_start`]: one
+/// whole on the GPU, queued together (`gpu::tier::ffn_start`: one
 /// upload and one copy back each, no wait between their products), while
 /// the others run on the CPU; a GPU failure sends its experts to the CPU
 /// (said once). Either way the outputs are added in expert order.
@@ -521,7 +521,7 @@ pub fn silu(x: f32) -> f32 {
 /// down(silu(gate·x) ⊙ up·x) for n tokens. With `limit` L (DeepSeek V4's
 /// swiglu_limit) the gate is capped at L and up clamped to [−L, L] first.
 /// With a VRAM tier holding all three matrices it runs whole on the GPU
-/// (one upload, one copy back: [`crate::gpu::tier::ffn_start`]); else, or
+/// (one upload, one copy back: `gpu::tier::ffn_start`); else, or
 /// if that fails (said once), product by product.
 pub fn swiglu(
     k: &Kernels,
