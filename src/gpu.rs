@@ -1267,10 +1267,44 @@ mod imp {
             Ok(batch)
         }
 
-        /// The outputs of [`Gpu::ffn_start`]'s jobs, in order (each n × down's
-        /// rows), once the GPU has made them.
+        /// The outputs of [`Gpu::ffn_start`]'s jobs (each n × down's rows)
+        /// or of [`Gpu::shared_x_start`]'s products, in order, once the GPU
+        /// has made them.
         pub fn ffn_finish(&self, batch: FfnBatch) -> Result<Vec<Vec<f32>>, String> {
             batch.outs.iter().map(|y| self.dtoh(y)).collect()
+        }
+
+        /// Products of resident matrices that share their X (`n` tokens,
+        /// `x[n][cols]`), queued: one upload of X, then each matrix's
+        /// CUDA-core kernel (its specialisation where the flag says the
+        /// build has one), nothing copied back until [`Gpu::ffn_finish`].
+        /// Err: X does not fit a matrix, or a launch failed.
+        pub fn shared_x_start(
+            &self,
+            mats: &[(Arc<DevMat>, bool)],
+            x: &[f32],
+            n: usize,
+        ) -> Result<FfnBatch, String> {
+            let mut batch = FfnBatch {
+                outs: Vec::with_capacity(mats.len()),
+                _work: Vec::with_capacity(1),
+            };
+            let kernels: Vec<String> = mats
+                .iter()
+                .map(|(m, sp)| super::core_kernel(m.format, n, sp.then_some((m.rows, m.cols))))
+                .collect();
+            for ((m, _), k) in mats.iter().zip(&kernels) {
+                self.check_product(k, m, x.len(), n)?;
+            }
+            let xd = self.htod(x, "copying activations")?;
+            for ((m, _), k) in mats.iter().zip(&kernels) {
+                let mut y = self.zeros::<f32>(n * m.rows)?;
+                // Checked: x holds n × cols of every matrix, y n × rows.
+                self.launch(k, m, &xd, &mut y, n)?;
+                batch.outs.push(y);
+            }
+            batch._work.push(xd);
+            Ok(batch)
         }
 
         /// g = silu(g) ⊙ u over `n` elements (clamped at `limit`).
@@ -2175,10 +2209,19 @@ pub mod tier {
             .unwrap_or(0)
     }
 
-    /// Per VRAM tier: SwiGLU blocks whose outputs came back from [`ffn_finish`].
-    fn ffn_counts() -> &'static Mutex<HashMap<u32, u64>> {
-        static C: OnceLock<Mutex<HashMap<u32, u64>>> = OnceLock::new();
+    /// Per VRAM tier: SwiGLU blocks whose outputs came back from
+    /// [`ffn_finish`], and batches of products with a shared X ([`shared_x`]).
+    fn counts() -> &'static Mutex<HashMap<u32, (u64, u64)>> {
+        static C: OnceLock<Mutex<HashMap<u32, (u64, u64)>>> = OnceLock::new();
         C.get_or_init(Default::default)
+    }
+
+    fn count(id: u32, blocks: u64, batches: u64) {
+        if let Ok(mut c) = counts().lock() {
+            let e = c.entry(id).or_default();
+            e.0 += blocks;
+            e.1 += batches;
+        }
     }
 
     /// Queue SwiGLU experts on the GPU ([`Gpu::ffn_start`]).
@@ -2189,9 +2232,21 @@ pub mod tier {
     /// Their outputs ([`Gpu::ffn_finish`]), counted for tier `id`.
     pub fn ffn_finish(id: u32, batch: FfnBatch) -> Result<Vec<Vec<f32>>, String> {
         let out = gpu().map_err(str::to_string)?.ffn_finish(batch)?;
-        if let Ok(mut c) = ffn_counts().lock() {
-            *c.entry(id).or_default() += out.len() as u64;
-        }
+        count(id, out.len() as u64, 0);
+        Ok(out)
+    }
+
+    /// Products of tier `id`'s resident `mats` with one X, queued together
+    /// and waited for once ([`Gpu::shared_x_start`]): their outputs in order.
+    pub fn shared_x(
+        id: u32,
+        mats: &[(Arc<DevMat>, bool)],
+        x: &[f32],
+        n: usize,
+    ) -> Result<Vec<Vec<f32>>, String> {
+        let g = gpu().map_err(str::to_string)?;
+        let out = g.ffn_finish(g.shared_x_start(mats, x, n)?)?;
+        count(id, 0, 1);
         Ok(out)
     }
 
@@ -2199,9 +2254,18 @@ pub mod tier {
     /// on the GPU (gate, up and down queued together): the tests' witness
     /// that the engines use [`ffn_start`].
     pub fn ffn_blocks(id: u32) -> u64 {
-        ffn_counts()
+        counts()
             .lock()
-            .map(|c| c.get(&id).copied().unwrap_or(0))
+            .map(|c| c.get(&id).map_or(0, |v| v.0))
+            .unwrap_or(0)
+    }
+
+    /// How many batches of products sharing their X ran for tier `id`
+    /// ([`shared_x`]).
+    pub fn shared_x_batches(id: u32) -> u64 {
+        counts()
+            .lock()
+            .map(|c| c.get(&id).map_or(0, |v| v.1))
             .unwrap_or(0)
     }
 

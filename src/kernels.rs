@@ -1717,25 +1717,88 @@ impl Kernels {
         n: usize,
         limit: Option<f32>,
     ) -> Option<crate::gpu::FfnJob<'x>> {
-        if self.tier == 0 {
-            return None;
-        }
-        let one = |m: &Matrix| {
-            if self.route(m.format(), n) != Route::F32 {
-                return None;
-            }
-            let d = crate::gpu::tier::resident(self.tier, m)?;
-            Some((
-                d,
-                self.mat_kernel(m.format(), m.rows, m.cols).shape.is_some(),
-            ))
-        };
         Some(crate::gpu::FfnJob {
-            mats: [one(mats[0])?, one(mats[1])?, one(mats[2])?],
+            mats: [
+                self.gpu_f32(mats[0], n)?,
+                self.gpu_f32(mats[1], n)?,
+                self.gpu_f32(mats[2], n)?,
+            ],
             x,
             n,
             limit,
         })
+    }
+
+    /// `m` on the GPU for a product of `n` tokens with f32 activations: its
+    /// device copy and whether the build specialised a kernel for its
+    /// shape. None: no VRAM tier, not resident, or another route here (an
+    /// activation variant).
+    #[cfg(feature = "cuda")]
+    fn gpu_f32(&self, m: &Matrix, n: usize) -> Option<(std::sync::Arc<crate::gpu::DevMat>, bool)> {
+        if self.tier == 0 || self.route(m.format(), n) != Route::F32 {
+            return None;
+        }
+        let d = crate::gpu::tier::resident(self.tier, m)?;
+        Some((
+            d,
+            self.mat_kernel(m.format(), m.rows, m.cols).shape.is_some(),
+        ))
+    }
+
+    /// `ys[i] = ms[i] · X` for matrices that share their X (`n` tokens). With
+    /// a VRAM tier holding every one of them, each taking f32 activations
+    /// here, they run on the GPU queued together: one upload of X and one
+    /// wait (`gpu::tier::shared_x`); else (or if that fails, said once) each
+    /// as [`Kernels::matmul`] runs it.
+    pub fn matmul_shared(
+        &self,
+        ms: &[&Matrix],
+        x: &[f32],
+        n: usize,
+        ys: &mut [&mut [f32]],
+    ) -> Result<(), KernelError> {
+        if ms.len() != ys.len() {
+            return Err(KernelError::Length {
+                what: "outputs of products sharing X".into(),
+                expected: ms.len(),
+                found: ys.len(),
+            });
+        }
+        #[cfg(feature = "cuda")]
+        if self.tier != 0 && ms.len() > 1 {
+            let fits = ms
+                .iter()
+                .zip(ys.iter())
+                .all(|(m, y)| x.len() == n * m.cols && y.len() == n * m.rows);
+            let mats: Option<Vec<_>> = ms.iter().map(|m| self.gpu_f32(m, n)).collect();
+            if let (true, Some(mats)) = (fits, mats) {
+                match crate::gpu::tier::shared_x(self.tier, &mats, x, n) {
+                    Ok(outs) if outs.len() == ys.len() => {
+                        for (y, o) in ys.iter_mut().zip(outs) {
+                            y.copy_from_slice(&o);
+                        }
+                        return Ok(());
+                    }
+                    res => {
+                        let e = res
+                            .err()
+                            .unwrap_or_else(|| "another count of outputs".into());
+                        static SAID: std::sync::Once = std::sync::Once::new();
+                        SAID.call_once(|| {
+                            eprintln!("CUDA: products sharing X on the GPU failed ({e}); running them one by one")
+                        });
+                    }
+                }
+            }
+        }
+        for (m, y) in ms.iter().zip(ys.iter_mut()) {
+            if n == 1 {
+                self.matvec(m, x, y)?;
+            } else {
+                self.matmul(m, x, n, y)?;
+            }
+        }
+        Ok(())
     }
 
     /// y = W x.

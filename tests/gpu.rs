@@ -846,6 +846,30 @@ fn ffn_on(g: &gpu::Gpu) {
             8.0 * 2f64.powi(-24),
         );
     }
+    // Products sharing one X (this BF16 expert's gate and up, the FP4 one's
+    // gate, which takes 64 columns too): each output the same, bit for
+    // bit, as launched on its own; a matrix of another width refused.
+    let (hidden, n, x) = (cases[0].1, cases[0].3, &owned[0].1);
+    let mats = [
+        (dev_mats[0][0].clone(), false),
+        (dev_mats[0][1].clone(), false),
+        (dev_mats[2][0].clone(), false),
+    ];
+    assert!(mats.iter().all(|(m, _)| m.cols == hidden));
+    let shared = g
+        .ffn_finish(g.shared_x_start(&mats, x, n).unwrap())
+        .unwrap();
+    for (i, (m, _)) in mats.iter().enumerate() {
+        let kernel = gpu::core_kernel(m.format, n, None);
+        let one = g.matmul(&kernel, m, x, n).unwrap();
+        assert_eq!(shared[i], one, "{dev}: product {i} sharing X ({kernel})");
+    }
+    let other = [mats[0].clone(), (dev_mats[3][0].clone(), false)];
+    let e = g
+        .shared_x_start(&other, x, n)
+        .err()
+        .expect("X of another width");
+    assert!(e.contains("expected n × cols"), "{dev}: {e}");
     // Down's columns must be gate's rows.
     let bad = gpu::FfnJob {
         mats: [

@@ -1157,14 +1157,46 @@ impl<'m> Dsv4Model<'m> {
             &self.rope_comp
         };
         let qr = l.wq_a.rows;
-        // q_residual = q_norm(wq_a a), shared with the indexer.
+        let (ih, id) = (self.index_heads, self.index_dim);
+        // Every projection of `a` at once (queued together on the GPU where
+        // all are resident): q_residual = wq_a a, kv, and the compressor's
+        // and the indexer's kv, gate and head weights.
         let mut q_res = scratch::stale(n * qr);
-        l.wq_a.apply_q(k, a, n, &mut q_res, self.aq())?;
+        let mut kv = scratch::stale(n * hd);
+        let pair = |c: &Compressor| (scratch::stale(n * c.width()), scratch::stale(n * c.width()));
+        let mut comp_proj = l.comp.as_ref().map(pair);
+        let mut ix_proj = l
+            .indexer
+            .as_ref()
+            .map(|ix| (pair(&ix.comp), vec![0.0f32; n * ih]));
+        {
+            let mut mats: Vec<&Mat> = vec![&l.wq_a, &l.wkv];
+            let mut ys: Vec<&mut [f32]> = vec![&mut q_res[..], &mut kv[..]];
+            if let (Some(c), Some((kvp, gp))) = (&l.comp, comp_proj.as_mut()) {
+                mats.extend([&c.wkv, &c.wgate]);
+                ys.extend([&mut kvp[..], &mut gp[..]]);
+            }
+            if let (Some(ix), Some(((ikv, ig), iw))) = (&l.indexer, ix_proj.as_mut()) {
+                mats.extend([&ix.comp.wkv, &ix.comp.wgate, &ix.weights_proj]);
+                ys.extend([&mut ikv[..], &mut ig[..], &mut iw[..]]);
+            }
+            Mat::apply_shared(k, &mats, a, n, &mut ys, self.aq())?;
+        }
+        // q_residual is normed, then shared with the indexer.
         rms_norm(&mut q_res, &l.q_norm, self.eps);
         let mut q = scratch::stale(n * h * hd);
-        l.wq_b.apply_q(k, &q_res, n, &mut q, self.aq())?;
-        let mut kv = scratch::stale(n * hd);
-        l.wkv.apply_q(k, a, n, &mut kv, self.aq())?;
+        let mut iq = l.indexer.as_ref().map(|_| scratch::stale(n * ih * id));
+        match (&l.indexer, iq.as_mut()) {
+            (Some(ix), Some(iq)) => Mat::apply_shared(
+                k,
+                &[&l.wq_b, &ix.wq_b],
+                &q_res,
+                n,
+                &mut [&mut q[..], &mut iq[..]],
+                self.aq(),
+            )?,
+            _ => l.wq_b.apply_q(k, &q_res, n, &mut q, self.aq())?,
+        }
         rms_norm(&mut kv, &l.kv_norm, self.eps);
         let mut tbl = Vec::new();
         for t in 0..n {
@@ -1175,34 +1207,19 @@ impl<'m> Dsv4Model<'m> {
             }
             rope.rotate(&mut kv[t * hd..(t + 1) * hd], &tbl, false);
         }
-        // Compressor (and indexer) projections of every token.
-        let proj = |c: &Compressor| -> Result<(scratch::Buf, scratch::Buf), EngineError> {
-            let mut kvp = scratch::stale(n * c.width());
-            let mut gp = scratch::stale(n * c.width());
-            c.wkv.apply_q(k, a, n, &mut kvp, self.aq())?;
-            c.wgate.apply_q(k, a, n, &mut gp, self.aq())?;
-            Ok((kvp, gp))
-        };
-        let comp_proj = l.comp.as_ref().map(proj).transpose()?;
-        let (ih, id) = (self.index_heads, self.index_dim);
-        let index_proj = match &l.indexer {
-            Some(ix) => {
-                let (ikv, ig) = proj(&ix.comp)?;
-                let mut iq = scratch::stale(n * ih * id);
-                ix.wq_b.apply_q(k, &q_res, n, &mut iq, self.aq())?;
+        let index_proj = match (ix_proj, iq) {
+            (Some(((ikv, ig), mut iw)), Some(mut iq)) => {
                 for t in 0..n {
                     self.rope_comp.table(pos0 + t, &mut tbl);
                     for head in iq[t * ih * id..(t + 1) * ih * id].chunks_exact_mut(id) {
                         self.rope_comp.rotate(head, &tbl, false);
                     }
                 }
-                let mut iw = vec![0.0f32; n * ih];
-                ix.weights_proj.apply_q(k, a, n, &mut iw, self.aq())?;
                 let wscale = (ih as f64).powf(-0.5) as f32;
                 iw.iter_mut().for_each(|v| *v *= wscale);
                 Some((ikv, ig, iq, iw))
             }
-            None => None,
+            _ => None,
         };
         let scale = (hd as f64).powf(-0.5) as f32;
         let softmax_scale = (id as f64).powf(-0.5) as f32;

@@ -393,9 +393,15 @@ impl<'m> LlamaModel<'m> {
         for (li, layer) in self.layers.iter().enumerate() {
             hbuf.copy_from_slice(&x);
             rms_norm(&mut hbuf, &layer.in_norm, self.eps);
-            layer.q.apply(k, &hbuf, n, &mut q)?;
-            layer.k.apply(k, &hbuf, n, &mut kk)?;
-            layer.v.apply(k, &hbuf, n, &mut vv)?;
+            // q, k and v share their input (queued together on the GPU).
+            Mat::apply_shared(
+                k,
+                &[&layer.q, &layer.k, &layer.v],
+                &hbuf,
+                n,
+                &mut [&mut q[..], &mut kk[..], &mut vv[..]],
+                false,
+            )?;
             for (buf, b) in [
                 (&mut q, &layer.bias[0]),
                 (&mut kk, &layer.bias[1]),

@@ -410,6 +410,31 @@ impl<'m> Mat<'m> {
         matches!(self.data, MatData::Fp8 { .. } | MatData::Fp4 { .. })
     }
 
+    /// `ys[i] = mats[i] · x` for matrices that share their x
+    /// ([`Kernels::matmul_shared`]: queued together on the GPU where all are
+    /// resident); with `act_quant`, as [`Mat::apply_q`] takes each.
+    pub fn apply_shared(
+        k: &Kernels,
+        mats: &[&Mat],
+        x: &[f32],
+        n: usize,
+        ys: &mut [&mut [f32]],
+        act_quant: bool,
+    ) -> Result<(), KernelError> {
+        if act_quant && mats.iter().any(|m| m.quantized()) && mats.len() == ys.len() {
+            for (m, y) in mats.iter().zip(ys.iter_mut()) {
+                m.apply_q(k, x, n, y, true)?;
+            }
+            return Ok(());
+        }
+        let ms = mats
+            .iter()
+            .map(|m| m.matrix())
+            .collect::<Result<Vec<_>, _>>()?;
+        let refs: Vec<&Matrix> = ms.iter().collect();
+        k.matmul_shared(&refs, x, n, ys)
+    }
+
     /// [`Mat::apply`], with the activations first put through
     /// [`fp8_act_quant`] when `act_quant` is set and the weights are FP8 or
     /// FP4 (DeepSeek's reference behaviour).

@@ -290,7 +290,18 @@ pub fn check_model(name: &str) {
                 "{name} / {}: no SwiGLU block ran whole on the GPU",
                 k.isa()
             );
-            eprintln!("{name} / {}: {ran} SwiGLU blocks whole on the GPU", k.isa());
+            // And products that share their input (q, k, v; DeepSeek V4's
+            // projections of the attention input) went queued together.
+            let shared = bespoke::gpu::tier::shared_x_batches(eng.kernels().tier());
+            assert!(
+                shared > 0,
+                "{name} / {}: no products sharing X queued together",
+                k.isa()
+            );
+            eprintln!(
+                "{name} / {}: {ran} SwiGLU blocks whole on the GPU, {shared} batches of products sharing X",
+                k.isa()
+            );
         }
     }
 }
