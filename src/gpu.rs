@@ -1268,42 +1268,52 @@ mod imp {
         }
 
         /// The outputs of [`Gpu::ffn_start`]'s jobs (each n × down's rows)
-        /// or of [`Gpu::shared_x_start`]'s products, in order, once the GPU
+        /// or of [`Gpu::products_start`]'s products, in order, once the GPU
         /// has made them.
         pub fn ffn_finish(&self, batch: FfnBatch) -> Result<Vec<Vec<f32>>, String> {
             batch.outs.iter().map(|y| self.dtoh(y)).collect()
         }
 
-        /// Products of resident matrices that share their X (`n` tokens,
-        /// `x[n][cols]`), queued: one upload of X, then each matrix's
-        /// CUDA-core kernel (its specialisation where the flag says the
-        /// build has one), nothing copied back until [`Gpu::ffn_finish`].
-        /// Err: X does not fit a matrix, or a launch failed.
-        pub fn shared_x_start(
+        /// Products of resident matrices, queued: `xs` holds one X (`n`
+        /// tokens, `x[n][cols]`) that every matrix takes, uploaded once, or
+        /// one X per matrix; each runs its CUDA-core kernel (its
+        /// specialisation where the flag says the build has one), and
+        /// nothing comes back until [`Gpu::ffn_finish`]. Err: another count
+        /// of X, an X that does not fit its matrix, or a failed launch.
+        pub fn products_start(
             &self,
             mats: &[(Arc<DevMat>, bool)],
-            x: &[f32],
+            xs: &[&[f32]],
             n: usize,
         ) -> Result<FfnBatch, String> {
-            let mut batch = FfnBatch {
-                outs: Vec::with_capacity(mats.len()),
-                _work: Vec::with_capacity(1),
-            };
+            if xs.len() != 1 && xs.len() != mats.len() {
+                return Err(format!(
+                    "{} products on the GPU with {} X (one, or one each)",
+                    mats.len(),
+                    xs.len()
+                ));
+            }
+            let x_of = |i: usize| if xs.len() == 1 { 0 } else { i };
             let kernels: Vec<String> = mats
                 .iter()
                 .map(|(m, sp)| super::core_kernel(m.format, n, sp.then_some((m.rows, m.cols))))
                 .collect();
-            for ((m, _), k) in mats.iter().zip(&kernels) {
-                self.check_product(k, m, x.len(), n)?;
+            for (i, ((m, _), k)) in mats.iter().zip(&kernels).enumerate() {
+                self.check_product(k, m, xs[x_of(i)].len(), n)?;
             }
-            let xd = self.htod(x, "copying activations")?;
-            for ((m, _), k) in mats.iter().zip(&kernels) {
+            let mut batch = FfnBatch {
+                outs: Vec::with_capacity(mats.len()),
+                _work: Vec::with_capacity(xs.len()),
+            };
+            for x in xs {
+                batch._work.push(self.htod(x, "copying activations")?);
+            }
+            for (i, ((m, _), k)) in mats.iter().zip(&kernels).enumerate() {
                 let mut y = self.zeros::<f32>(n * m.rows)?;
-                // Checked: x holds n × cols of every matrix, y n × rows.
-                self.launch(k, m, &xd, &mut y, n)?;
+                // Checked: each X holds n × cols of its matrix, y n × rows.
+                self.launch(k, m, &batch._work[x_of(i)], &mut y, n)?;
                 batch.outs.push(y);
             }
-            batch._work.push(xd);
             Ok(batch)
         }
 
@@ -2210,7 +2220,7 @@ pub mod tier {
     }
 
     /// Per VRAM tier: SwiGLU blocks whose outputs came back from
-    /// [`ffn_finish`], and batches of products with a shared X ([`shared_x`]).
+    /// [`ffn_finish`], and batches of products ([`products`]).
     fn counts() -> &'static Mutex<HashMap<u32, (u64, u64)>> {
         static C: OnceLock<Mutex<HashMap<u32, (u64, u64)>>> = OnceLock::new();
         C.get_or_init(Default::default)
@@ -2236,16 +2246,17 @@ pub mod tier {
         Ok(out)
     }
 
-    /// Products of tier `id`'s resident `mats` with one X, queued together
-    /// and waited for once ([`Gpu::shared_x_start`]): their outputs in order.
-    pub fn shared_x(
+    /// Products of tier `id`'s resident `mats`, queued together and waited
+    /// for once ([`Gpu::products_start`]: one X for all, or one each):
+    /// their outputs in order.
+    pub fn products(
         id: u32,
         mats: &[(Arc<DevMat>, bool)],
-        x: &[f32],
+        xs: &[&[f32]],
         n: usize,
     ) -> Result<Vec<Vec<f32>>, String> {
         let g = gpu().map_err(str::to_string)?;
-        let out = g.ffn_finish(g.shared_x_start(mats, x, n)?)?;
+        let out = g.ffn_finish(g.products_start(mats, xs, n)?)?;
         count(id, 0, 1);
         Ok(out)
     }
@@ -2260,9 +2271,8 @@ pub mod tier {
             .unwrap_or(0)
     }
 
-    /// How many batches of products sharing their X ran for tier `id`
-    /// ([`shared_x`]).
-    pub fn shared_x_batches(id: u32) -> u64 {
+    /// How many batches of products ran for tier `id` ([`products`]).
+    pub fn product_batches(id: u32) -> u64 {
         counts()
             .lock()
             .map(|c| c.get(&id).map_or(0, |v| v.1))

@@ -1748,8 +1748,8 @@ impl Kernels {
     /// `ys[i] = ms[i] · X` for matrices that share their X (`n` tokens). With
     /// a VRAM tier holding every one of them, each taking f32 activations
     /// here, they run on the GPU queued together: one upload of X and one
-    /// wait (`gpu::tier::shared_x`); else (or if that fails, said once) each
-    /// as [`Kernels::matmul`] runs it.
+    /// wait (`gpu::tier::products`); else (or if that fails, said once)
+    /// each as [`Kernels::matmul`] runs it.
     pub fn matmul_shared(
         &self,
         ms: &[&Matrix],
@@ -1757,22 +1757,55 @@ impl Kernels {
         n: usize,
         ys: &mut [&mut [f32]],
     ) -> Result<(), KernelError> {
+        self.matmul_list(ms, &[x], n, ys)
+    }
+
+    /// `ys[i] = ms[i] · xs[i]` (`n` tokens each): on the GPU queued together
+    /// (one wait) where every matrix is resident, as [`Kernels::matmul_shared`].
+    pub fn matmul_each(
+        &self,
+        ms: &[&Matrix],
+        xs: &[&[f32]],
+        n: usize,
+        ys: &mut [&mut [f32]],
+    ) -> Result<(), KernelError> {
+        if xs.len() != ms.len() {
+            return Err(KernelError::Length {
+                what: "inputs of a list of products".into(),
+                expected: ms.len(),
+                found: xs.len(),
+            });
+        }
+        self.matmul_list(ms, xs, n, ys)
+    }
+
+    /// [`Kernels::matmul_shared`] (one X) and [`Kernels::matmul_each`] (one
+    /// X a matrix).
+    fn matmul_list(
+        &self,
+        ms: &[&Matrix],
+        xs: &[&[f32]],
+        n: usize,
+        ys: &mut [&mut [f32]],
+    ) -> Result<(), KernelError> {
         if ms.len() != ys.len() {
             return Err(KernelError::Length {
-                what: "outputs of products sharing X".into(),
+                what: "outputs of a list of products".into(),
                 expected: ms.len(),
                 found: ys.len(),
             });
         }
+        let x_of = |i: usize| xs[if xs.len() == 1 { 0 } else { i }];
         #[cfg(feature = "cuda")]
         if self.tier != 0 && ms.len() > 1 {
             let fits = ms
                 .iter()
                 .zip(ys.iter())
-                .all(|(m, y)| x.len() == n * m.cols && y.len() == n * m.rows);
+                .enumerate()
+                .all(|(i, (m, y))| x_of(i).len() == n * m.cols && y.len() == n * m.rows);
             let mats: Option<Vec<_>> = ms.iter().map(|m| self.gpu_f32(m, n)).collect();
             if let (true, Some(mats)) = (fits, mats) {
-                match crate::gpu::tier::shared_x(self.tier, &mats, x, n) {
+                match crate::gpu::tier::products(self.tier, &mats, xs, n) {
                     Ok(outs) if outs.len() == ys.len() => {
                         for (y, o) in ys.iter_mut().zip(outs) {
                             y.copy_from_slice(&o);
@@ -1785,17 +1818,17 @@ impl Kernels {
                             .unwrap_or_else(|| "another count of outputs".into());
                         static SAID: std::sync::Once = std::sync::Once::new();
                         SAID.call_once(|| {
-                            eprintln!("CUDA: products sharing X on the GPU failed ({e}); running them one by one")
+                            eprintln!("CUDA: a list of products on the GPU failed ({e}); running them one by one")
                         });
                     }
                 }
             }
         }
-        for (m, y) in ms.iter().zip(ys.iter_mut()) {
+        for (i, (m, y)) in ms.iter().zip(ys.iter_mut()).enumerate() {
             if n == 1 {
-                self.matvec(m, x, y)?;
+                self.matvec(m, x_of(i), y)?;
             } else {
-                self.matmul(m, x, n, y)?;
+                self.matmul(m, x_of(i), n, y)?;
             }
         }
         Ok(())

@@ -857,7 +857,7 @@ fn ffn_on(g: &gpu::Gpu) {
     ];
     assert!(mats.iter().all(|(m, _)| m.cols == hidden));
     let shared = g
-        .ffn_finish(g.shared_x_start(&mats, x, n).unwrap())
+        .ffn_finish(g.products_start(&mats, &[x], n).unwrap())
         .unwrap();
     for (i, (m, _)) in mats.iter().enumerate() {
         let kernel = gpu::core_kernel(m.format, n, None);
@@ -866,10 +866,31 @@ fn ffn_on(g: &gpu::Gpu) {
     }
     let other = [mats[0].clone(), (dev_mats[3][0].clone(), false)];
     let e = g
-        .shared_x_start(&other, x, n)
+        .products_start(&other, &[x], n)
         .err()
         .expect("X of another width");
     assert!(e.contains("expected n × cols"), "{dev}: {e}");
+    // One X each: the BF16 gate with its X, the F32 gate (40 columns) with
+    // another; and a count of X that is neither one nor one each refused.
+    let x2: Vec<f32> = (0..n * dev_mats[3][0].cols)
+        .map(|i| ((i % 7) as f32 - 3.0) / 4.0)
+        .collect();
+    let each = [mats[0].clone(), (dev_mats[3][0].clone(), false)];
+    let xs: [&[f32]; 2] = [x, &x2];
+    let got = g
+        .ffn_finish(g.products_start(&each, &xs, n).unwrap())
+        .unwrap();
+    for (((m, _), xi), y) in each.iter().zip(xs).zip(&got) {
+        let one = g
+            .matmul(&gpu::core_kernel(m.format, n, None), m, xi, n)
+            .unwrap();
+        assert_eq!(y, &one, "{dev}: a product with its own X");
+    }
+    let e = g
+        .products_start(&mats, &[x, x], n)
+        .err()
+        .expect("two X for three products");
+    assert!(e.contains("one, or one each"), "{dev}: {e}");
     // Down's columns must be gate's rows.
     let bad = gpu::FfnJob {
         mats: [

@@ -1432,23 +1432,40 @@ impl<'m> Dsv4Model<'m> {
         let (g_n, r) = (self.o_groups, self.o_rank);
         let in_g = h * hd / g_n;
         let mut z = scratch::stale(n * g_n * r);
-        let mut xg = scratch::stale(n * in_g);
-        for g in 0..g_n {
+        let gather = |g: usize, xg: &mut [f32]| {
             for t in 0..n {
                 xg[t * in_g..(t + 1) * in_g]
                     .copy_from_slice(&att[t * h * hd + g * in_g..t * h * hd + (g + 1) * in_g]);
             }
-            match &l.wo_a {
-                WoA::Groups(ms) => {
-                    let mut yg = scratch::stale(n * r);
-                    ms[g].apply_q(k, &xg, n, &mut yg, self.aq())?;
+        };
+        match &l.wo_a {
+            WoA::Groups(ms) => {
+                // Every group's input first, then the products at once
+                // (queued together on the GPU where all are resident).
+                let xgs: Vec<scratch::Buf> = (0..ms.len())
+                    .map(|g| {
+                        let mut xg = scratch::stale(n * in_g);
+                        gather(g, &mut xg);
+                        xg
+                    })
+                    .collect();
+                let mut ygs: Vec<scratch::Buf> = ms.iter().map(|_| scratch::stale(n * r)).collect();
+                let mats: Vec<&Mat> = ms.iter().collect();
+                let xs: Vec<&[f32]> = xgs.iter().map(|b| &b[..]).collect();
+                let mut ys: Vec<&mut [f32]> = ygs.iter_mut().map(|b| &mut b[..]).collect();
+                Mat::apply_each(k, &mats, &xs, n, &mut ys, self.aq())?;
+                for (g, yg) in ygs.iter().enumerate() {
                     for t in 0..n {
                         z[(t * g_n + g) * r..(t * g_n + g + 1) * r]
                             .copy_from_slice(&yg[t * r..(t + 1) * r]);
                     }
                 }
-                WoA::Whole(m) => {
-                    let mut yg = scratch::stale(n * g_n * r);
+            }
+            WoA::Whole(m) => {
+                let mut xg = scratch::stale(n * in_g);
+                let mut yg = scratch::stale(n * g_n * r);
+                for g in 0..g_n {
+                    gather(g, &mut xg);
                     m.apply_q(k, &xg, n, &mut yg, self.aq())?;
                     for t in 0..n {
                         z[(t * g_n + g) * r..(t * g_n + g + 1) * r]

@@ -435,6 +435,35 @@ impl<'m> Mat<'m> {
         k.matmul_shared(&refs, x, n, ys)
     }
 
+    /// `ys[i] = mats[i] · xs[i]` ([`Kernels::matmul_each`]: queued together
+    /// on the GPU where all are resident); with `act_quant`, as
+    /// [`Mat::apply_q`] takes each.
+    pub fn apply_each(
+        k: &Kernels,
+        mats: &[&Mat],
+        xs: &[&[f32]],
+        n: usize,
+        ys: &mut [&mut [f32]],
+        act_quant: bool,
+    ) -> Result<(), KernelError> {
+        if act_quant
+            && mats.iter().any(|m| m.quantized())
+            && mats.len() == ys.len()
+            && mats.len() == xs.len()
+        {
+            for ((m, x), y) in mats.iter().zip(xs).zip(ys.iter_mut()) {
+                m.apply_q(k, x, n, y, true)?;
+            }
+            return Ok(());
+        }
+        let ms = mats
+            .iter()
+            .map(|m| m.matrix())
+            .collect::<Result<Vec<_>, _>>()?;
+        let refs: Vec<&Matrix> = ms.iter().collect();
+        k.matmul_each(&refs, xs, n, ys)
+    }
+
     /// [`Mat::apply`], with the activations first put through
     /// [`fp8_act_quant`] when `act_quant` is set and the weights are FP8 or
     /// FP4 (DeepSeek's reference behaviour).

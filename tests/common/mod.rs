@@ -292,7 +292,7 @@ pub fn check_model(name: &str) {
             );
             // And products that share their input (q, k, v; DeepSeek V4's
             // projections of the attention input) went queued together.
-            let shared = bespoke::gpu::tier::shared_x_batches(eng.kernels().tier());
+            let shared = bespoke::gpu::tier::product_batches(eng.kernels().tier());
             assert!(
                 shared > 0,
                 "{name} / {}: no products sharing X queued together",
