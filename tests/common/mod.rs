@@ -295,11 +295,11 @@ pub fn check_model(name: &str) {
             let shared = bespoke::gpu::tier::product_batches(eng.kernels().tier());
             assert!(
                 shared > 0,
-                "{name} / {}: no products sharing X queued together",
+                "{name} / {}: no products queued together",
                 k.isa()
             );
             eprintln!(
-                "{name} / {}: {ran} SwiGLU blocks whole on the GPU, {shared} batches of products sharing X",
+                "{name} / {}: {ran} SwiGLU blocks whole on the GPU, {shared} batches of products queued together",
                 k.isa()
             );
         }
