@@ -1745,43 +1745,13 @@ impl Kernels {
         ))
     }
 
-    /// `ys[i] = ms[i] · X` for matrices that share their X (`n` tokens). With
-    /// a VRAM tier holding every one of them, each taking f32 activations
-    /// here, they run on the GPU queued together: one upload of X and one
-    /// wait (`gpu::tier::products`); else (or if that fails, said once)
-    /// each as [`Kernels::matmul`] runs it.
-    pub fn matmul_shared(
-        &self,
-        ms: &[&Matrix],
-        x: &[f32],
-        n: usize,
-        ys: &mut [&mut [f32]],
-    ) -> Result<(), KernelError> {
-        self.matmul_list(ms, &[x], n, ys)
-    }
-
-    /// `ys[i] = ms[i] · xs[i]` (`n` tokens each): on the GPU queued together
-    /// (one wait) where every matrix is resident, as [`Kernels::matmul_shared`].
-    pub fn matmul_each(
-        &self,
-        ms: &[&Matrix],
-        xs: &[&[f32]],
-        n: usize,
-        ys: &mut [&mut [f32]],
-    ) -> Result<(), KernelError> {
-        if xs.len() != ms.len() {
-            return Err(KernelError::Length {
-                what: "inputs of a list of products".into(),
-                expected: ms.len(),
-                found: xs.len(),
-            });
-        }
-        self.matmul_list(ms, xs, n, ys)
-    }
-
-    /// [`Kernels::matmul_shared`] (one X) and [`Kernels::matmul_each`] (one
-    /// X a matrix).
-    fn matmul_list(
+    /// `ys[i] = ms[i] · X` (`n` tokens) where `xs` holds one X that every
+    /// matrix takes (q, k and v) or one X a matrix. With a VRAM tier holding
+    /// every one of them, each taking f32 activations here, they run on the
+    /// GPU queued together: each X uploaded once, one wait for all
+    /// (`gpu::tier::products`); else (or if that fails, said once) each as
+    /// [`Kernels::matmul`] runs it.
+    pub fn matmul_list(
         &self,
         ms: &[&Matrix],
         xs: &[&[f32]],

@@ -1180,17 +1180,17 @@ impl<'m> Dsv4Model<'m> {
                 mats.extend([&ix.comp.wkv, &ix.comp.wgate, &ix.weights_proj]);
                 ys.extend([&mut ikv[..], &mut ig[..], &mut iw[..]]);
             }
-            Mat::apply_shared(k, &mats, a, n, &mut ys, self.aq())?;
+            Mat::apply_list(k, &mats, &[a], n, &mut ys, self.aq())?;
         }
         // q_residual is normed, then shared with the indexer.
         rms_norm(&mut q_res, &l.q_norm, self.eps);
         let mut q = scratch::stale(n * h * hd);
         let mut iq = l.indexer.as_ref().map(|_| scratch::stale(n * ih * id));
         match (&l.indexer, iq.as_mut()) {
-            (Some(ix), Some(iq)) => Mat::apply_shared(
+            (Some(ix), Some(iq)) => Mat::apply_list(
                 k,
                 &[&l.wq_b, &ix.wq_b],
-                &q_res,
+                &[&q_res],
                 n,
                 &mut [&mut q[..], &mut iq[..]],
                 self.aq(),
@@ -1453,7 +1453,7 @@ impl<'m> Dsv4Model<'m> {
                 let mats: Vec<&Mat> = ms.iter().collect();
                 let xs: Vec<&[f32]> = xgs.iter().map(|b| &b[..]).collect();
                 let mut ys: Vec<&mut [f32]> = ygs.iter_mut().map(|b| &mut b[..]).collect();
-                Mat::apply_each(k, &mats, &xs, n, &mut ys, self.aq())?;
+                Mat::apply_list(k, &mats, &xs, n, &mut ys, self.aq())?;
                 for (g, yg) in ygs.iter().enumerate() {
                     for t in 0..n {
                         z[(t * g_n + g) * r..(t * g_n + g + 1) * r]

@@ -394,10 +394,10 @@ impl<'m> LlamaModel<'m> {
             hbuf.copy_from_slice(&x);
             rms_norm(&mut hbuf, &layer.in_norm, self.eps);
             // q, k and v share their input (queued together on the GPU).
-            Mat::apply_shared(
+            Mat::apply_list(
                 k,
                 &[&layer.q, &layer.k, &layer.v],
-                &hbuf,
+                &[&hbuf],
                 n,
                 &mut [&mut q[..], &mut kk[..], &mut vv[..]],
                 false,

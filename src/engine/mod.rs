@@ -410,35 +410,11 @@ impl<'m> Mat<'m> {
         matches!(self.data, MatData::Fp8 { .. } | MatData::Fp4 { .. })
     }
 
-    /// `ys[i] = mats[i] · x` for matrices that share their x
-    /// ([`Kernels::matmul_shared`]: queued together on the GPU where all are
-    /// resident); with `act_quant`, as [`Mat::apply_q`] takes each.
-    pub fn apply_shared(
-        k: &Kernels,
-        mats: &[&Mat],
-        x: &[f32],
-        n: usize,
-        ys: &mut [&mut [f32]],
-        act_quant: bool,
-    ) -> Result<(), KernelError> {
-        if act_quant && mats.iter().any(|m| m.quantized()) && mats.len() == ys.len() {
-            for (m, y) in mats.iter().zip(ys.iter_mut()) {
-                m.apply_q(k, x, n, y, true)?;
-            }
-            return Ok(());
-        }
-        let ms = mats
-            .iter()
-            .map(|m| m.matrix())
-            .collect::<Result<Vec<_>, _>>()?;
-        let refs: Vec<&Matrix> = ms.iter().collect();
-        k.matmul_shared(&refs, x, n, ys)
-    }
-
-    /// `ys[i] = mats[i] · xs[i]` ([`Kernels::matmul_each`]: queued together
-    /// on the GPU where all are resident); with `act_quant`, as
-    /// [`Mat::apply_q`] takes each.
-    pub fn apply_each(
+    /// `ys[i] = mats[i] · X` where `xs` holds one X for all (q, k and v) or
+    /// one X each ([`Kernels::matmul_list`]: queued together on the GPU
+    /// where all are resident); with `act_quant`, as [`Mat::apply_q`] takes
+    /// each.
+    pub fn apply_list(
         k: &Kernels,
         mats: &[&Mat],
         xs: &[&[f32]],
@@ -446,13 +422,10 @@ impl<'m> Mat<'m> {
         ys: &mut [&mut [f32]],
         act_quant: bool,
     ) -> Result<(), KernelError> {
-        if act_quant
-            && mats.iter().any(|m| m.quantized())
-            && mats.len() == ys.len()
-            && mats.len() == xs.len()
-        {
-            for ((m, x), y) in mats.iter().zip(xs).zip(ys.iter_mut()) {
-                m.apply_q(k, x, n, y, true)?;
+        let fits = mats.len() == ys.len() && (xs.len() == 1 || xs.len() == mats.len());
+        if act_quant && fits && mats.iter().any(|m| m.quantized()) {
+            for (i, (m, y)) in mats.iter().zip(ys.iter_mut()).enumerate() {
+                m.apply_q(k, xs[if xs.len() == 1 { 0 } else { i }], n, y, true)?;
             }
             return Ok(());
         }
@@ -461,7 +434,7 @@ impl<'m> Mat<'m> {
             .map(|m| m.matrix())
             .collect::<Result<Vec<_>, _>>()?;
         let refs: Vec<&Matrix> = ms.iter().collect();
-        k.matmul_each(&refs, xs, n, ys)
+        k.matmul_list(&refs, xs, n, ys)
     }
 
     /// [`Mat::apply`], with the activations first put through
