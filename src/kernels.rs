@@ -1703,30 +1703,23 @@ impl Kernels {
         }
     }
 
-    /// A SwiGLU expert (gate, up, down) as one job for the GPU
-    /// ([`crate::gpu::tier::ffn_start`]): Some where all three matrices are
-    /// resident in this engine's VRAM tier and each would take f32
-    /// activations here for `n` tokens (the activation variants keep their
-    /// per-product path, which gives each product its variant's
-    /// activations).
+    /// A SwiGLU expert's (gate, up, down) device copies for one job on the
+    /// GPU ([`crate::gpu::FfnJob`]), each with whether the build specialised
+    /// its shape: Some where all three matrices are resident in this
+    /// engine's VRAM tier and each would take f32 activations here for `n`
+    /// tokens (the activation variants keep their per-product path, which
+    /// gives each product its variant's activations).
     #[cfg(feature = "cuda")]
-    pub fn ffn_job<'x>(
+    pub fn ffn_mats(
         &self,
         mats: [&Matrix; 3],
-        x: &'x [f32],
         n: usize,
-        limit: Option<f32>,
-    ) -> Option<crate::gpu::FfnJob<'x>> {
-        Some(crate::gpu::FfnJob {
-            mats: [
-                self.gpu_f32(mats[0], n)?,
-                self.gpu_f32(mats[1], n)?,
-                self.gpu_f32(mats[2], n)?,
-            ],
-            x,
-            n,
-            limit,
-        })
+    ) -> Option<[(std::sync::Arc<crate::gpu::DevMat>, bool); 3]> {
+        Some([
+            self.gpu_f32(mats[0], n)?,
+            self.gpu_f32(mats[1], n)?,
+            self.gpu_f32(mats[2], n)?,
+        ])
     }
 
     /// `m` on the GPU for a product of `n` tokens with f32 activations: its

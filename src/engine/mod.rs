@@ -113,60 +113,67 @@ pub fn add_routed_experts(
         let active: Vec<usize> = (0..chosen.len())
             .filter(|&e| !chosen[e].is_empty())
             .collect();
-        let xs: Vec<Vec<f32>> = active
-            .iter()
-            .map(|&e| {
-                let mut xe = Vec::new();
-                gather(&chosen[e], &mut xe);
-                xe
-            })
-            .collect();
-        let mut jobs = Vec::new();
+        // Which experts run whole on the GPU (all three matrices resident).
         let mut on_gpu = vec![false; active.len()];
+        let mut mats = Vec::new();
         for (i, &e) in active.iter().enumerate() {
             let [g, u, dn] = &experts[e];
             let (g, u, dn) = (g.matrix()?, u.matrix()?, dn.matrix()?);
-            if let Some(job) = k.ffn_job([&g, &u, &dn], &xs[i], chosen[e].len(), limit) {
-                jobs.push(job);
+            if let Some(m) = k.ffn_mats([&g, &u, &dn], chosen[e].len()) {
+                mats.push(m);
                 on_gpu[i] = true;
             }
         }
-        if !jobs.is_empty() {
+        if !mats.is_empty() {
             for &e in &active {
                 usage.record(layer, e, chosen[e].len());
             }
+            let gpu_experts: Vec<usize> = (0..active.len()).filter(|&i| on_gpu[i]).collect();
+            // Their tokens' rows, kept in case the GPU fails.
+            let xs: Vec<Vec<f32>> = gpu_experts
+                .iter()
+                .map(|&i| {
+                    let mut xe = Vec::new();
+                    gather(&chosen[active[i]], &mut xe);
+                    xe
+                })
+                .collect();
+            let jobs: Vec<crate::gpu::FfnJob> = mats
+                .into_iter()
+                .zip(&xs)
+                .zip(&gpu_experts)
+                .map(|((mats, x), &i)| crate::gpu::FfnJob {
+                    mats,
+                    x,
+                    n: chosen[active[i]].len(),
+                    limit,
+                })
+                .collect();
             let batch = crate::gpu::tier::ffn_start(&jobs);
             drop(jobs);
             // The other experts on the CPU meanwhile.
             let mut ys: Vec<Vec<f32>> = vec![Vec::new(); active.len()];
-            let cpu = |i: usize, ys: &mut Vec<Vec<f32>>| -> Result<(), EngineError> {
+            let cpu = |i: usize, x: &[f32], ys: &mut Vec<Vec<f32>>| -> Result<(), EngineError> {
                 let e = active[i];
                 let [g, u, dn] = &experts[e];
                 ys[i] = vec![0.0; chosen[e].len() * d];
-                swiglu_products(
-                    k,
-                    [g, u, dn],
-                    &xs[i],
-                    chosen[e].len(),
-                    limit,
-                    false,
-                    &mut ys[i],
-                )
+                swiglu_products(k, [g, u, dn], x, chosen[e].len(), limit, false, &mut ys[i])
             };
+            let mut xe = Vec::new();
             for i in (0..active.len()).filter(|&i| !on_gpu[i]) {
-                cpu(i, &mut ys)?;
+                gather(&chosen[active[i]], &mut xe);
+                cpu(i, &xe, &mut ys)?;
             }
             match batch.and_then(|b| crate::gpu::tier::ffn_finish(k.tier(), b)) {
                 Ok(done) => {
-                    let at = (0..active.len()).filter(|&i| on_gpu[i]);
-                    for (i, y) in at.zip(done) {
+                    for (&i, y) in gpu_experts.iter().zip(done) {
                         ys[i] = y;
                     }
                 }
                 Err(e) => {
                     ffn_failed(&e);
-                    for i in (0..active.len()).filter(|&i| on_gpu[i]) {
-                        cpu(i, &mut ys)?;
+                    for (&i, x) in gpu_experts.iter().zip(&xs) {
+                        cpu(i, x, &mut ys)?;
                     }
                 }
             }
@@ -563,7 +570,8 @@ pub fn swiglu(
     if !act_quant && k.tier() != 0 {
         let [g, u, d] = mats;
         let (g, u, d) = (g.matrix()?, u.matrix()?, d.matrix()?);
-        if let Some(job) = k.ffn_job([&g, &u, &d], x, n, limit) {
+        if let Some(mats) = k.ffn_mats([&g, &u, &d], n) {
+            let job = crate::gpu::FfnJob { mats, x, n, limit };
             let rows = d.rows();
             match crate::gpu::tier::ffn_start(&[job])
                 .and_then(|b| crate::gpu::tier::ffn_finish(k.tier(), b))
