@@ -89,6 +89,7 @@ static inline float __uint_as_float(unsigned u) { return __int_as_float((int)u);
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline unsigned __float_as_uint(float f) { return (unsigned)__float_as_int(f); }
 
 template <class T> static inline T bs_emu_shfl(T v, int src_lane)

@@ -96,6 +96,17 @@ impl AnyCache {
         }
     }
 
+    /// Move this sequence's attention to the CPU, freeing what it holds on
+    /// the GPU (the CPU keeps a whole copy): what a failed GPU call does,
+    /// and what a caller does to give the tier's KV room to another
+    /// sequence.
+    pub fn detach_gpu(&mut self) {
+        match self {
+            AnyCache::Llama(c) => c.detach_gpu(),
+            AnyCache::Dsv4(c) => c.detach_gpu(),
+        }
+    }
+
     /// Whether DeepSeek V4's lightning indexers score on the GPU; None for
     /// a model without them.
     pub fn indexer_on_gpu(&self) -> Option<bool> {

@@ -412,6 +412,262 @@ mod imp {
         }
     }
 
+    /// A dense Llama-family model's geometry, as a forward on the GPU
+    /// ([`KvMirror::dense_forward`]) takes it.
+    #[derive(Clone, Copy, Debug)]
+    pub struct DenseGeo {
+        pub d: usize,
+        pub heads: usize,
+        pub kv_heads: usize,
+        pub head_dim: usize,
+        /// Rotated values of each head (RoPE): even, at most head_dim.
+        pub rope_dim: usize,
+        pub eps: f32,
+        /// The attention's scale (1 / sqrt(head_dim)).
+        pub scale: f32,
+    }
+
+    /// One layer's norm weights and biases as the engine holds them.
+    pub struct LayerVectors<'a> {
+        pub in_norm: &'a [f32],
+        pub post_norm: &'a [f32],
+        /// Qwen3's per-head RMSNorm weights on q and k.
+        pub qk_norm: Option<(&'a [f32], &'a [f32])>,
+        /// q, k, v and o biases.
+        pub bias: [Option<&'a [f32]>; 4],
+    }
+
+    /// A dense model's norm weights and biases on the device, with its
+    /// geometry: what a forward on the GPU takes besides the resident
+    /// matrices ([`Gpu::dense_vectors`]). A few vectors of the model's
+    /// width a layer.
+    pub struct DenseVectors {
+        geo: DenseGeo,
+        layers: Vec<DeviceLayerVectors>,
+        norm: DevBuf<f32>,
+    }
+
+    struct DeviceLayerVectors {
+        in_norm: DevBuf<f32>,
+        post_norm: DevBuf<f32>,
+        qk_norm: Option<(DevBuf<f32>, DevBuf<f32>)>,
+        bias: [Option<DevBuf<f32>>; 4],
+    }
+
+    impl DenseVectors {
+        pub fn geo(&self) -> DenseGeo {
+            self.geo
+        }
+
+        /// Device bytes they take.
+        pub fn bytes(&self) -> u64 {
+            let mut n = self.norm.len();
+            for l in &self.layers {
+                n += l.in_norm.len() + l.post_norm.len();
+                n += l.qk_norm.as_ref().map_or(0, |(q, k)| q.len() + k.len());
+                n += l.bias.iter().flatten().map(DevBuf::len).sum::<usize>();
+            }
+            4 * n as u64
+        }
+    }
+
+    /// One layer's resident matrices for [`KvMirror::dense_forward`]: q, k,
+    /// v, o, gate, up and down, each with whether the build specialised a
+    /// kernel for its shape.
+    pub type DenseMats = [(Arc<DevMat>, bool); 7];
+
+    impl KvMirror {
+        /// One forward of a dense Llama-family model (Llama, Qwen2, Qwen3)
+        /// with every layer on the GPU: `x` the tokens' embeddings [n][d],
+        /// uploaded once, `rope` each token's rotary table (rows of head_dim
+        /// floats: cos then sin of rope_dim / 2 frequencies, as
+        /// `Rope::table` makes them), positions pos0 .. pos0 + n − 1. Per
+        /// layer, all on the device: RMSNorm, q/k/v, biases, the q/k norms,
+        /// RoPE, the keys and values into this mirror, causal attention, o,
+        /// the residual, RMSNorm, gate, up, SwiGLU, down and the residual;
+        /// then the final RMSNorm of the last `out_rows` rows and, with a
+        /// resident `head`, the logits. Nothing comes back until the end:
+        /// Ok(logits [out_rows][vocab]), or without a head the normalised
+        /// rows [out_rows][d] (the caller applies its head), with `kv`
+        /// [layers][k, v][n][kv_heads × head_dim] the new keys and values
+        /// for the CPU's copy of the cache. The products are the CUDA-core
+        /// kernels of the per-product path, RoPE, biases and residuals are
+        /// the CPU's bit for bit, and the norms' sums of squares go in a
+        /// tree (`bs_cu_rmsnorm`). Err: shapes that do not chain or do not
+        /// fit the mirror, or a failed launch or copy (the caller runs the
+        /// step on the CPU, whose cache this step has not touched).
+        #[allow(clippy::too_many_arguments)]
+        pub fn dense_forward(
+            &mut self,
+            vecs: &DenseVectors,
+            mats: &[DenseMats],
+            head: Option<&(Arc<DevMat>, bool)>,
+            x: &[f32],
+            rope: &[f32],
+            pos0: usize,
+            out_rows: usize,
+            kv: &mut [f32],
+        ) -> Result<Vec<f32>, String> {
+            let g = self.g;
+            let geo = vecs.geo;
+            let (d, h, kvh, hd) = (geo.d, geo.heads, geo.kv_heads, geo.head_dim);
+            let (hw, kvw, layers) = (h * hd, kvh * hd, self.k.len());
+            let n = x.len().checked_div(d).unwrap_or(0);
+            if (h, kvh, hd) != (self.n_heads, self.n_kv_heads, self.head_dim)
+                || mats.len() != layers
+                || vecs.layers.len() != layers
+                || n == 0
+                || x.len() != n * d
+                || pos0 + n > self.capacity
+                || rope.len() != n * hd
+                || out_rows == 0
+                || out_rows > n
+                || kv.len() != layers * 2 * n * kvw
+            {
+                return Err(format!(
+                    "a forward on the GPU: {} layers of {h} heads over {kvh} of {hd} for a mirror of {layers} \
+                     layers of {} over {} of {}, {} values of x (rows of {d}) at position {pos0} of {}, \
+                     {} of rotary table, {out_rows} rows out, {} of keys and values",
+                    mats.len(),
+                    self.n_heads,
+                    self.n_kv_heads,
+                    self.head_dim,
+                    x.len(),
+                    self.capacity,
+                    rope.len(),
+                    kv.len()
+                ));
+            }
+            let mut inter = 0;
+            for (li, m) in mats.iter().enumerate() {
+                let want = [(hw, d), (kvw, d), (kvw, d), (d, hw)];
+                let got: Vec<(usize, usize)> = m.iter().map(|(m, _)| (m.rows, m.cols)).collect();
+                let i = got[4].0;
+                if got[..4] != want || got[4..] != [(i, d), (i, d), (d, i)] {
+                    return Err(format!(
+                        "a forward on the GPU: layer {li}'s q, k, v, o, gate, up and down are {got:?}, \
+                         which do not chain for {h} heads over {kvh} of {hd} at width {d}"
+                    ));
+                }
+                inter = inter.max(i);
+            }
+            if let Some((m, _)) = head {
+                if m.cols != d {
+                    return Err(format!(
+                        "a forward on the GPU: a head of {} columns for width {d}",
+                        m.cols
+                    ));
+                }
+            }
+            let widest = [d, hw, inter, head.map_or(0, |(m, _)| m.rows)]
+                .into_iter()
+                .max()
+                .unwrap_or(0);
+            if n.checked_mul(widest)
+                .map_or(true, |v| v > i32::MAX as usize)
+                || kv.len() > i32::MAX as usize
+            {
+                return Err("a forward on the GPU: the kernels take sizes below 2^31".into());
+            }
+            let mut xd = g.htod(x, "copying the embeddings")?;
+            let tbl = g.htod(rope, "copying the rotary table")?;
+            let mut hb = g.zeros::<f32>(n * d)?;
+            let mut qd = g.zeros::<f32>(n * hw)?;
+            let mut kd = g.zeros::<f32>(n * kvw)?;
+            let mut vd = g.zeros::<f32>(n * kvw)?;
+            let mut att = g.zeros::<f32>(n * hw)?;
+            let mut od = g.zeros::<f32>(n * d)?;
+            let mut gd = g.zeros::<f32>(n * inter)?;
+            let mut ud = g.zeros::<f32>(n * inter)?;
+            let mut stage = g.zeros::<f32>(kv.len())?;
+            for (li, (m, lv)) in mats.iter().zip(&vecs.layers).enumerate() {
+                let [mq, mk, mv, mo, mg, mu, mdn] = m;
+                g.rmsnorm(Some(&xd), &lv.in_norm, &mut hb, n, d, geo.eps)?;
+                g.product(mq, &hb, &mut qd, n)?;
+                g.product(mk, &hb, &mut kd, n)?;
+                g.product(mv, &hb, &mut vd, n)?;
+                for (buf, b) in [
+                    (&mut qd, &lv.bias[0]),
+                    (&mut kd, &lv.bias[1]),
+                    (&mut vd, &lv.bias[2]),
+                ] {
+                    if let Some(b) = b {
+                        g.add(buf, b, b.len())?;
+                    }
+                }
+                if let Some((qn, kn)) = &lv.qk_norm {
+                    g.rmsnorm(None, qn, &mut qd, n * h, hd, geo.eps)?;
+                    g.rmsnorm(None, kn, &mut kd, n * kvh, hd, geo.eps)?;
+                }
+                g.rope(&mut qd, &tbl, n, h, hd, geo.rope_dim)?;
+                g.rope(&mut kd, &tbl, n, kvh, hd, geo.rope_dim)?;
+                g.dtod(&kd, 0, &mut self.k[li], pos0 * kvw, n * kvw)?;
+                g.dtod(&vd, 0, &mut self.v[li], pos0 * kvw, n * kvw)?;
+                g.dtod(&kd, 0, &mut stage, 2 * li * n * kvw, n * kvw)?;
+                g.dtod(&vd, 0, &mut stage, (2 * li + 1) * n * kvw, n * kvw)?;
+                for c0 in (0..n).step_by(GPU_QUERIES) {
+                    let c = GPU_QUERIES.min(n - c0);
+                    g.dtod(&qd, c0 * hw, &mut self.q, 0, c * hw)?;
+                    let geo = AttnGeo {
+                        n_heads: h,
+                        n_kv_heads: kvh,
+                        head_dim: hd,
+                        kv_stride: kvw,
+                        t_len: pos0 + c0 + 1,
+                        window: 0,
+                        scale: geo.scale,
+                        n_q: Some(c),
+                    };
+                    // Checked: q and out hold GPU_QUERIES ≥ c rows of n_heads
+                    // × head_dim, k and v (this layer's) capacity ≥ pos0 + n
+                    // rows of kv_stride, written up to pos0 + n − 1 above,
+                    // scratch GPU_QUERIES × n_heads × capacity (new), every
+                    // size below 2^31 (new).
+                    g.attn_launch(
+                        &self.kernel,
+                        &self.q,
+                        &self.k[li],
+                        &self.v[li],
+                        None,
+                        &mut self.out,
+                        &mut self.scratch,
+                        geo,
+                    )?;
+                    g.dtod(&self.out, 0, &mut att, c0 * hw, c * hw)?;
+                }
+                g.product(mo, &att, &mut od, n)?;
+                if let Some(b) = &lv.bias[3] {
+                    g.add(&mut od, b, d)?;
+                }
+                g.add(&mut xd, &od, 0)?;
+                g.rmsnorm(Some(&xd), &lv.post_norm, &mut hb, n, d, geo.eps)?;
+                g.product(mg, &hb, &mut gd, n)?;
+                g.product(mu, &hb, &mut ud, n)?;
+                g.swiglu_launch(&mut gd, &ud, n * mg.0.rows, None)?;
+                g.product(mdn, &gd, &mut od, n)?;
+                g.add(&mut xd, &od, 0)?;
+            }
+            let m = out_rows;
+            g.dtod(&xd, (n - m) * d, &mut hb, 0, m * d)?;
+            g.rmsnorm(None, &vecs.norm, &mut hb, m, d, geo.eps)?;
+            let out = match head {
+                Some(hm) => {
+                    let mut y = g.zeros::<f32>(m * hm.0.rows)?;
+                    g.product(hm, &hb, &mut y, m)?;
+                    g.dtoh(&y)?
+                }
+                None => {
+                    let mut v = vec![0.0f32; m * d];
+                    g.dtoh_into(&hb, &mut v)?;
+                    v
+                }
+            };
+            g.dtoh_into(&stage, kv)?;
+            tier::count_layers(self.tier, layers as u64);
+            Ok(out)
+        }
+    }
+
     impl Drop for KvMirror {
         fn drop(&mut self) {
             tier::give_kv(self.tier, self.bytes);
@@ -1317,6 +1573,219 @@ mod imp {
             Ok(batch)
         }
 
+        /// A dense model's norm weights and biases on the device
+        /// ([`DenseVectors`]), checked against `geo`.
+        pub fn dense_vectors(
+            &self,
+            geo: DenseGeo,
+            layers: &[LayerVectors],
+            norm: &[f32],
+        ) -> Result<DenseVectors, String> {
+            let (d, h, kvh, hd) = (geo.d, geo.heads, geo.kv_heads, geo.head_dim);
+            if d == 0
+                || kvh == 0
+                || hd == 0
+                || h % kvh != 0
+                || geo.rope_dim % 2 != 0
+                || geo.rope_dim > hd
+                || d > i32::MAX as usize
+            {
+                return Err(format!(
+                    "a forward on the GPU: width {d}, {h} heads over {kvh} of {hd}, RoPE over {}",
+                    geo.rope_dim
+                ));
+            }
+            let up = |what: String, v: &[f32], len: usize| {
+                if v.len() != len {
+                    return Err(format!("{what}: {} values, expected {len}", v.len()));
+                }
+                self.htod(v, "copying norm weights and biases")
+            };
+            let mut out = Vec::with_capacity(layers.len());
+            for (li, l) in layers.iter().enumerate() {
+                let widths = [h * hd, kvh * hd, kvh * hd, d];
+                let mut bias: [Option<DevBuf<f32>>; 4] = Default::default();
+                for (i, b) in l.bias.iter().enumerate() {
+                    if let Some(b) = b {
+                        bias[i] = Some(up(format!("layer {li}'s bias {i}"), b, widths[i])?);
+                    }
+                }
+                out.push(DeviceLayerVectors {
+                    in_norm: up(format!("layer {li}'s input norm"), l.in_norm, d)?,
+                    post_norm: up(format!("layer {li}'s post-attention norm"), l.post_norm, d)?,
+                    qk_norm: match l.qk_norm {
+                        Some((q, k)) => Some((
+                            up(format!("layer {li}'s q norm"), q, hd)?,
+                            up(format!("layer {li}'s k norm"), k, hd)?,
+                        )),
+                        None => None,
+                    },
+                    bias,
+                });
+            }
+            Ok(DenseVectors {
+                geo,
+                layers: out,
+                norm: up("the final norm".into(), norm, d)?,
+            })
+        }
+
+        /// y = m · x for `n` tokens on the device, with the product's
+        /// CUDA-core kernel (specialised where the flag says so).
+        fn product(
+            &self,
+            (m, sp): &(Arc<DevMat>, bool),
+            x: &DevBuf<f32>,
+            y: &mut DevBuf<f32>,
+            n: usize,
+        ) -> Result<(), String> {
+            let k = super::core_kernel(m.format, n, sp.then_some((m.rows, m.cols)));
+            self.check_product(&k, m, n * m.cols, n)?;
+            if x.len() < n * m.cols || y.len() < n * m.rows {
+                return Err(format!(
+                    "{k}: buffers of {} and {} values for {n} tokens of {}×{}",
+                    x.len(),
+                    y.len(),
+                    m.rows,
+                    m.cols
+                ));
+            }
+            // Checked: x holds n × cols, y n × rows (the kernel reads and
+            // writes no more), and check_product the kernel's needs.
+            self.launch(&k, m, x, y, n)
+        }
+
+        /// RMSNorm (`bs_cu_rmsnorm`) of `rows` rows of `d` floats: from `x`
+        /// into `out`, or in place in `out` (x None).
+        fn rmsnorm(
+            &self,
+            x: Option<&DevBuf<f32>>,
+            w: &DevBuf<f32>,
+            out: &mut DevBuf<f32>,
+            rows: usize,
+            d: usize,
+            eps: f32,
+        ) -> Result<(), String> {
+            let n = rows.saturating_mul(d);
+            if rows == 0
+                || w.len() != d
+                || out.len() < n
+                || x.is_some_and(|x| x.len() < n)
+                || n > i32::MAX as usize
+            {
+                return Err(format!(
+                    "RMSNorm of {rows} rows of {d} with {} weights into {} values",
+                    w.len(),
+                    out.len()
+                ));
+            }
+            // bs_cu_rmsnorm's parameters in order; x (or out) holds rows × d
+            // and w d (checked).
+            let mut args = vec![
+                x.map_or(Arg::Null, Arg::F32),
+                Arg::F32(w),
+                Arg::F32Out(out),
+                Arg::I32(d as i32),
+                Arg::F32Val(eps),
+            ];
+            self.run("bs_cu_rmsnorm", blocks128(rows as u32, 1), &mut args)
+        }
+
+        /// x += y over all of x (`period` 0, y as long), or x[i] +=
+        /// y[i % period] (a bias on every row of `period`, y that long).
+        fn add(&self, x: &mut DevBuf<f32>, y: &DevBuf<f32>, period: usize) -> Result<(), String> {
+            let n = x.len();
+            if n > i32::MAX as usize
+                || (period == 0 && y.len() < n)
+                || (period > 0 && (y.len() != period || n % period != 0))
+            {
+                return Err(format!(
+                    "adding {} values to {n} (rows of {period})",
+                    y.len()
+                ));
+            }
+            let cfg = blocks128(n.div_ceil(128).clamp(1, 65535) as u32, 1);
+            // bs_cu_add's parameters in order; y holds what it reads (checked).
+            let mut args = vec![
+                Arg::F32Out(x),
+                Arg::F32(y),
+                Arg::I32(n as i32),
+                Arg::I32(period as i32),
+            ];
+            self.run("bs_cu_add", cfg, &mut args)
+        }
+
+        /// RoPE (`bs_cu_rope`) in place on `rows` rows of `heads` × `hd`
+        /// floats, row r by row r of `tbl` (rows of hd floats).
+        fn rope(
+            &self,
+            x: &mut DevBuf<f32>,
+            tbl: &DevBuf<f32>,
+            rows: usize,
+            heads: usize,
+            hd: usize,
+            dim: usize,
+        ) -> Result<(), String> {
+            let n = rows.saturating_mul(heads * hd);
+            if dim % 2 != 0
+                || dim > hd
+                || x.len() < n
+                || tbl.len() < rows * hd
+                || n > i32::MAX as usize
+            {
+                return Err(format!(
+                    "RoPE over {dim} of {hd} for {rows} rows of {heads} heads: {} values and {} of table",
+                    x.len(),
+                    tbl.len()
+                ));
+            }
+            if dim == 0 {
+                return Ok(());
+            }
+            let cfg = blocks128((n / hd * (dim / 2)).div_ceil(128).clamp(1, 65535) as u32, 1);
+            // bs_cu_rope's parameters in order; x holds rows × heads × hd and
+            // tbl rows × hd with dim ≤ hd (checked).
+            let mut args = vec![
+                Arg::F32Out(x),
+                Arg::F32(tbl),
+                Arg::I32(rows as i32),
+                Arg::I32(heads as i32),
+                Arg::I32(hd as i32),
+                Arg::I32(dim as i32),
+                Arg::I32(hd as i32),
+            ];
+            self.run("bs_cu_rope", cfg, &mut args)
+        }
+
+        /// Copy `len` floats of `src` from `at` into `dst` from `to`, on the device.
+        fn dtod(
+            &self,
+            src: &DevBuf<f32>,
+            at: usize,
+            dst: &mut DevBuf<f32>,
+            to: usize,
+            len: usize,
+        ) -> Result<(), String> {
+            let fits = |o: usize, b: usize| o.checked_add(len).is_some_and(|e| e <= b);
+            if !fits(at, src.len()) || !fits(to, dst.len()) {
+                return Err(format!(
+                    "copying {len} floats on the GPU from {at} of {} to {to} of {}",
+                    src.len(),
+                    dst.len()
+                ));
+            }
+            match (&self.dev, &src.0, &mut dst.0) {
+                (Dev::Cuda { stream, .. }, Buf::Cuda(s), Buf::Cuda(d)) => stream
+                    .memcpy_dtod(&s.slice(at..at + len), &mut d.slice_mut(to..to + len))
+                    .map_err(derr("copying on the GPU")),
+                (Dev::Emu, Buf::Host(s), Buf::Host(d)) => {
+                    d[to..to + len].copy_from_slice(&s[at..at + len]);
+                    Ok(())
+                }
+                _ => Err("a buffer of another device".into()),
+            }
+        }
+
         /// g = silu(g) ⊙ u over `n` elements (clamped at `limit`).
         fn swiglu_launch(
             &self,
@@ -2092,7 +2561,8 @@ mod imp {
 
 #[cfg(feature = "cuda")]
 pub use imp::{
-    emulator, emulator_selftest, gpu, DevBuf, DevMat, FfnBatch, FfnJob, Gpu, KvMirror, RowKv,
+    emulator, emulator_selftest, gpu, DenseGeo, DenseMats, DenseVectors, DevBuf, DevMat, FfnBatch,
+    FfnJob, Gpu, KvMirror, LayerVectors, RowKv,
 };
 
 /// The VRAM tier: matrices made resident on the GPU, found again by the
@@ -2220,18 +2690,28 @@ pub mod tier {
     }
 
     /// Per VRAM tier: SwiGLU blocks whose outputs came back from
-    /// [`ffn_finish`], and batches of products ([`products`]).
-    fn counts() -> &'static Mutex<HashMap<u32, (u64, u64)>> {
-        static C: OnceLock<Mutex<HashMap<u32, (u64, u64)>>> = OnceLock::new();
+    /// [`ffn_finish`], batches of products ([`products`]), and layers run
+    /// whole on the GPU ([`KvMirror::dense_forward`]).
+    fn counts() -> &'static Mutex<HashMap<u32, [u64; 3]>> {
+        static C: OnceLock<Mutex<HashMap<u32, [u64; 3]>>> = OnceLock::new();
         C.get_or_init(Default::default)
     }
 
-    fn count(id: u32, blocks: u64, batches: u64) {
+    fn count(id: u32, what: usize, by: u64) {
         if let Ok(mut c) = counts().lock() {
-            let e = c.entry(id).or_default();
-            e.0 += blocks;
-            e.1 += batches;
+            c.entry(id).or_default()[what] += by;
         }
+    }
+
+    fn counted(id: u32, what: usize) -> u64 {
+        counts()
+            .lock()
+            .map(|c| c.get(&id).map_or(0, |v| v[what]))
+            .unwrap_or(0)
+    }
+
+    pub(super) fn count_layers(id: u32, layers: u64) {
+        count(id, 2, layers);
     }
 
     /// Queue SwiGLU experts on the GPU ([`Gpu::ffn_start`]).
@@ -2242,7 +2722,7 @@ pub mod tier {
     /// Their outputs ([`Gpu::ffn_finish`]), counted for tier `id`.
     pub fn ffn_finish(id: u32, batch: FfnBatch) -> Result<Vec<Vec<f32>>, String> {
         let out = gpu().map_err(str::to_string)?.ffn_finish(batch)?;
-        count(id, out.len() as u64, 0);
+        count(id, 0, out.len() as u64);
         Ok(out)
     }
 
@@ -2257,7 +2737,7 @@ pub mod tier {
     ) -> Result<Vec<Vec<f32>>, String> {
         let g = gpu().map_err(str::to_string)?;
         let out = g.ffn_finish(g.products_start(mats, xs, n)?)?;
-        count(id, 0, 1);
+        count(id, 1, 1);
         Ok(out)
     }
 
@@ -2265,18 +2745,18 @@ pub mod tier {
     /// on the GPU (gate, up and down queued together): the tests' witness
     /// that the engines use [`ffn_start`].
     pub fn ffn_blocks(id: u32) -> u64 {
-        counts()
-            .lock()
-            .map(|c| c.get(&id).map_or(0, |v| v.0))
-            .unwrap_or(0)
+        counted(id, 0)
     }
 
     /// How many batches of products ran for tier `id` ([`products`]).
     pub fn product_batches(id: u32) -> u64 {
-        counts()
-            .lock()
-            .map(|c| c.get(&id).map_or(0, |v| v.1))
-            .unwrap_or(0)
+        counted(id, 1)
+    }
+
+    /// How many layers of tier `id`'s dense models ran whole on the GPU
+    /// ([`KvMirror::dense_forward`]), a forward's layers counted once each.
+    pub fn whole_layers(id: u32) -> u64 {
+        counted(id, 2)
     }
 
     /// Y = W X on the GPU for a resident matrix; `specialised`: the build has a

@@ -1727,7 +1727,11 @@ impl Kernels {
     /// shape. None: no VRAM tier, not resident, or another route here (an
     /// activation variant).
     #[cfg(feature = "cuda")]
-    fn gpu_f32(&self, m: &Matrix, n: usize) -> Option<(std::sync::Arc<crate::gpu::DevMat>, bool)> {
+    pub fn gpu_f32(
+        &self,
+        m: &Matrix,
+        n: usize,
+    ) -> Option<(std::sync::Arc<crate::gpu::DevMat>, bool)> {
         if self.tier == 0 || self.route(m.format(), n) != Route::F32 {
             return None;
         }

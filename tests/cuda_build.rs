@@ -108,6 +108,9 @@ fn check_ptx(arch: Arch, tc_off: bool, version: (u32, u32), ptx: &str) -> Vec<St
         "bs_cu_attn_causal_d64_h8_kv2",
         "bs_cu_attn_rows",
         "bs_cu_index_scores",
+        "bs_cu_rmsnorm",
+        "bs_cu_rope",
+        "bs_cu_add",
     ] {
         if !ptx.contains(&format!(".entry {k}(")) {
             bad.push(format!("{arch}: kernel {k} missing from the PTX"));
@@ -352,7 +355,9 @@ fn the_emulator_gets_the_cuda_core_kernels_and_a_table_of_them() {
     assert!(names.contains(&"bs_cu_attn_decode".to_string()));
     assert!(names.contains(&"bs_cu_attn_causal".to_string()));
     assert!(names.contains(&"bs_cu_attn_rows".to_string()));
-    assert!(names.contains(&"bs_cu_index_scores".to_string()));
+    for k in ["bs_cu_index_scores", "bs_cu_rmsnorm", "bs_cu_rope", "bs_cu_add"] {
+        assert!(names.contains(&k.to_string()), "{k} missing from {names:?}");
+    }
     // Every specialised shape has its kernels.
     for s in &shapes {
         let k = format!("bs_cu_matvec_{}_{}x{}", s.format.name(), s.rows, s.cols);

@@ -395,6 +395,12 @@ impl Dsv4Cache {
         self.gpu.is_some()
     }
 
+    /// Move this sequence's attention (and indexers) to the CPU: its rows
+    /// on the GPU are freed (the CPU keeps them all).
+    pub fn detach_gpu(&mut self) {
+        self.gpu = None;
+    }
+
     /// Whether the lightning indexers score on the GPU (every CSA layer's
     /// entries kept there); None where the model has no indexer.
     pub fn indexer_on_gpu(&self) -> Option<bool> {

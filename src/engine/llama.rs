@@ -58,6 +58,30 @@ impl KvCache {
         self.gpu.is_some()
     }
 
+    /// Move this sequence's attention to the CPU: its keys and values on
+    /// the GPU are freed (the CPU copy holds them all).
+    pub fn detach_gpu(&mut self) {
+        self.gpu = None;
+    }
+
+    /// Write layer `li`'s keys and values `k`, `v` (rows of kv_heads ×
+    /// head_dim, position-major) at positions pos0.. into the CPU copy.
+    fn store(&mut self, li: usize, pos0: usize, k: &[f32], v: &[f32], hd: usize) {
+        let cap = self.capacity;
+        if cap == 0 || hd == 0 {
+            return;
+        }
+        let kvw = self.k[li].len() / cap;
+        for (dst, src) in [(&mut self.k[li], k), (&mut self.v[li], v)] {
+            for (i, row) in src.chunks_exact(kvw).enumerate() {
+                for (g, head) in row.chunks_exact(hd).enumerate() {
+                    let at = (g * cap + pos0 + i) * hd;
+                    dst[at..at + hd].copy_from_slice(head);
+                }
+            }
+        }
+    }
+
     /// Bytes a cache for `ctx` tokens takes.
     pub fn bytes_for(layers: usize, kv_width: usize, ctx: usize) -> u64 {
         2 * layers as u64 * kv_width as u64 * ctx as u64 * 4
@@ -80,6 +104,11 @@ pub struct LlamaModel<'m> {
     vocab: usize,
     /// Routed-expert selections per layer (MoE models; the VRAM tier's input).
     pub usage: crate::placement::UsageCounter,
+    /// A dense model's norm weights and biases on the GPU, for forwards with
+    /// every layer there ([`LlamaModel::forward_on_gpu`]): uploaded by the
+    /// first forward that can run so; None if that failed.
+    #[cfg(feature = "cuda")]
+    gpu_vectors: std::sync::OnceLock<Option<crate::gpu::DenseVectors>>,
 }
 
 impl<'m> LlamaModel<'m> {
@@ -201,6 +230,8 @@ impl<'m> LlamaModel<'m> {
             kv_heads: c.num_kv_heads,
             head_dim: hd,
             vocab: c.vocab_size,
+            #[cfg(feature = "cuda")]
+            gpu_vectors: std::sync::OnceLock::new(),
         })
     }
 
@@ -378,6 +409,15 @@ impl<'m> LlamaModel<'m> {
         }
         let pos0 = cache.len;
         let kvw = kvh * hd;
+        // Each position's rotation, computed once for every head and layer.
+        let mut rope_tbl = vec![0.0f32; n * hd];
+        for (i, tbl) in rope_tbl.chunks_exact_mut(hd).enumerate() {
+            self.rope.table(pos0 + i, tbl);
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(logits) = self.forward_on_gpu(cache, &x, &rope_tbl, all_logits)? {
+            return Ok(logits);
+        }
         let mut hbuf = vec![0.0f32; n * d];
         let mut q = vec![0.0f32; n * h * hd];
         let mut kk = vec![0.0f32; n * kvw];
@@ -385,11 +425,6 @@ impl<'m> LlamaModel<'m> {
         let mut att = vec![0.0f32; n * h * hd];
         let mut o = vec![0.0f32; n * d];
         let scale = 1.0 / (hd as f32).sqrt();
-        // Each position's rotation, computed once for every head and layer.
-        let mut rope_tbl = vec![0.0f32; n * hd];
-        for (i, tbl) in rope_tbl.chunks_exact_mut(hd).enumerate() {
-            self.rope.table(pos0 + i, tbl);
-        }
         for (li, layer) in self.layers.iter().enumerate() {
             hbuf.copy_from_slice(&x);
             rms_norm(&mut hbuf, &layer.in_norm, self.eps);
@@ -426,14 +461,7 @@ impl<'m> LlamaModel<'m> {
                 }
             }
             let cap = cache.capacity;
-            for (dst, src) in [(&mut cache.k[li], &kk), (&mut cache.v[li], &vv)] {
-                for (i, row) in src.chunks_exact(kvw).enumerate() {
-                    for (g, head) in row.chunks_exact(hd).enumerate() {
-                        let at = (g * cap + pos0 + i) * hd;
-                        dst[at..at + hd].copy_from_slice(head);
-                    }
-                }
-            }
+            cache.store(li, pos0, &kk, &vv, hd);
             if let Some(m) = cache.gpu.as_mut() {
                 if let Err(e) = m.append(li, pos0, &kk, &vv) {
                     super::gpu_failed(&e);
@@ -496,6 +524,104 @@ impl<'m> LlamaModel<'m> {
         let mut logits = vec![0.0f32; m * self.vocab];
         self.head.apply(k, rows, m, &mut logits)?;
         Ok(logits)
+    }
+
+    /// The forward with every layer on the GPU ([`crate::gpu::KvMirror::dense_forward`]):
+    /// for a dense model whose attention runs there and whose every layer
+    /// matrix is resident, each taking f32 activations for this many
+    /// tokens. The embeddings `x` go up once and the logits (or, with the
+    /// head on the CPU, the normalised last rows) and the new keys and
+    /// values, for the CPU's copy of the cache, come back once. Ok(None):
+    /// not so here, or the GPU failed (said once; the sequence's attention
+    /// then goes back to the CPU), and the CPU path runs the step.
+    #[cfg(feature = "cuda")]
+    fn forward_on_gpu(
+        &self,
+        cache: &mut KvCache,
+        x: &[f32],
+        rope_tbl: &[f32],
+        all_logits: bool,
+    ) -> Result<Option<Vec<f32>>, EngineError> {
+        let (k, d) = (&self.kernels, self.d);
+        let n = x.len() / d;
+        let Some(mirror) = cache.gpu.as_mut() else {
+            return Ok(None);
+        };
+        let mut mats = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            let Mlp::Dense { gate, up, down } = &l.mlp else {
+                return Ok(None);
+            };
+            let mut dev = Vec::with_capacity(7);
+            for m in [&l.q, &l.k, &l.v, &l.o, gate, up, down] {
+                match k.gpu_f32(&m.matrix()?, n) {
+                    Some(v) => dev.push(v),
+                    None => return Ok(None),
+                }
+            }
+            match <crate::gpu::DenseMats>::try_from(dev) {
+                Ok(v) => mats.push(v),
+                Err(_) => return Ok(None),
+            }
+        }
+        let vecs = self.gpu_vectors.get_or_init(|| {
+            let layers: Vec<crate::gpu::LayerVectors> = self
+                .layers
+                .iter()
+                .map(|l| crate::gpu::LayerVectors {
+                    in_norm: &l.in_norm,
+                    post_norm: &l.post_norm,
+                    qk_norm: l.qk_norm.as_ref().map(|(q, k)| (&q[..], &k[..])),
+                    bias: [0, 1, 2, 3].map(|i| l.bias[i].as_deref()),
+                })
+                .collect();
+            let geo = crate::gpu::DenseGeo {
+                d,
+                heads: self.heads,
+                kv_heads: self.kv_heads,
+                head_dim: self.head_dim,
+                rope_dim: self.rope.dim,
+                eps: self.eps,
+                scale: 1.0 / (self.head_dim as f32).sqrt(),
+            };
+            crate::gpu::gpu()
+                .map_err(str::to_string)
+                .and_then(|g| g.dense_vectors(geo, &layers, &self.norm))
+                .map_err(|e| super::gpu_layers_failed(&e))
+                .ok()
+        });
+        let Some(vecs) = vecs else {
+            return Ok(None);
+        };
+        let rows = if all_logits { n } else { 1 };
+        let head = k.gpu_f32(&self.head.matrix()?, rows);
+        let (layers, kvw, hd) = (
+            self.layers.len(),
+            self.kv_heads * self.head_dim,
+            self.head_dim,
+        );
+        let mut kv = vec![0.0f32; layers * 2 * n * kvw];
+        let pos0 = cache.len;
+        match mirror.dense_forward(vecs, &mats, head.as_ref(), x, rope_tbl, pos0, rows, &mut kv) {
+            Ok(out) => {
+                for (li, lkv) in kv.chunks_exact(2 * n * kvw).enumerate() {
+                    let (kk, vv) = lkv.split_at(n * kvw);
+                    cache.store(li, pos0, kk, vv, hd);
+                }
+                cache.len += n;
+                if head.is_some() {
+                    return Ok(Some(out));
+                }
+                let mut logits = vec![0.0f32; rows * self.vocab];
+                self.head.apply(k, &out, rows, &mut logits)?;
+                Ok(Some(logits))
+            }
+            Err(e) => {
+                super::gpu_layers_failed(&e);
+                cache.gpu = None;
+                Ok(None)
+            }
+        }
     }
 
     fn mlp(

@@ -924,6 +924,14 @@ fn gpu_failed(e: &str) {
     SAID.call_once(|| eprintln!("CUDA: attention on the GPU failed ({e}); running it on the CPU"));
 }
 
+/// A forward with every layer on the GPU failed: said once, and the step
+/// (and the sequence's attention from then on) runs on the CPU.
+#[cfg(feature = "cuda")]
+fn gpu_layers_failed(e: &str) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| eprintln!("CUDA: a forward on the GPU failed ({e}); running it on the CPU"));
+}
+
 /// A sequence's keys could not go to the GPU (no room left in the tier's KV
 /// reservation, sizes the kernels cannot take, out of memory): said once,
 /// and its attention runs on the CPU.

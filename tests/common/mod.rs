@@ -252,6 +252,40 @@ pub fn check_model(name: &str) {
                 out.push(next);
             }
             assert_eq!(out, ids(&p["greedy"]), "{what}: greedy tokens");
+            // The CPU's copy of the cache is whole after steps on the GPU (a
+            // dense model's come back from a forward with every layer there):
+            // the prompt and two tokens on the GPU, the rest on the CPU, give
+            // the same tokens and logits within 1e-3.
+            #[cfg(feature = "cuda")]
+            if std::env::var("BESPOKE_TEST_VRAM").is_ok() {
+                let mut half = CausalLm::new_cache(&eng, prompt.len() + n_new).unwrap();
+                let mut l = CausalLm::prefill(&eng, &mut half, &prompt, 64, false).unwrap();
+                let mut next = argmax(&l);
+                let mut got = vec![next];
+                while got.len() < n_new {
+                    if got.len() == 3 {
+                        assert!(half.attention_on_gpu(), "{what}: attention on the GPU");
+                        half.detach_gpu();
+                    }
+                    l = CausalLm::prefill(&eng, &mut half, &[next], 1, false).unwrap();
+                    next = argmax(&l);
+                    got.push(next);
+                }
+                assert!(
+                    !half.attention_on_gpu(),
+                    "{what}: attention back on the CPU"
+                );
+                assert_eq!(got, out, "{what}: greedy tokens, the GPU then the CPU");
+                let dist = l
+                    .iter()
+                    .zip(&last)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(
+                    dist < 1e-3,
+                    "{what}: the GPU then the CPU moved the last logits by {dist}"
+                );
+            }
             // The cached decode's last logits equal a full recompute, bit for
             // bit, with the prefill in odd-sized chunks (windows, compressor
             // windows and chunk edges all fall differently).
@@ -280,10 +314,25 @@ pub fn check_model(name: &str) {
                 "{what}: cached decode differs from a full recompute"
             );
         }
-        // With every matrix resident, every model's SwiGLU blocks (the MoE
-        // models' experts, the dense MLPs) ran whole on the GPU.
+        // With every matrix resident, a dense model's forwards ran with
+        // every layer on the GPU, and the others' SwiGLU blocks (experts,
+        // shared experts) ran whole there.
         #[cfg(feature = "cuda")]
         if std::env::var("BESPOKE_TEST_VRAM").is_ok() {
+            let whole = bespoke::gpu::tier::whole_layers(eng.kernels().tier());
+            if !name.contains("moe") && !name.contains("dsv4") {
+                assert!(
+                    whole > 0,
+                    "{name} / {}: no forward ran with its layers on the GPU",
+                    k.isa()
+                );
+                eprintln!("{name} / {}: {whole} layers run whole on the GPU", k.isa());
+                continue;
+            }
+            assert_eq!(
+                whole, 0,
+                "{name}: a forward of layers the GPU cannot run whole"
+            );
             let ran = bespoke::gpu::tier::ffn_blocks(eng.kernels().tier());
             assert!(
                 ran > 0,
