@@ -1757,6 +1757,52 @@ mod imp {
             self.run("bs_cu_rope", cfg, &mut args)
         }
 
+        /// The layer kernels of [`KvMirror::dense_forward`] on host slices
+        /// (the tests' form), each step where asked: `norm` (w, eps,
+        /// in_place) RMSNorm of `x`'s rows of w.len() floats, in place on
+        /// the device or into another buffer; then `rope` (tbl, heads, hd,
+        /// dim) RoPE of rows of heads × hd by `tbl` (a row of hd floats a
+        /// row); then `add` added (as long as x, or a bias of a row's width).
+        pub fn layer_ops(
+            &self,
+            x: &[f32],
+            norm: Option<(&[f32], f32, bool)>,
+            rope: Option<(&[f32], usize, usize, usize)>,
+            add: &[f32],
+        ) -> Result<Vec<f32>, String> {
+            if x.is_empty() {
+                return Err("no x".into());
+            }
+            let mut out = self.htod(x, "copying x")?;
+            if let Some((w, eps, in_place)) = norm {
+                let d = w.len();
+                if d == 0 || x.len() % d != 0 {
+                    return Err(format!("{} values in rows of {d}", x.len()));
+                }
+                let wd = self.htod(w, "copying norm weights")?;
+                if in_place {
+                    self.rmsnorm(None, &wd, &mut out, x.len() / d, d, eps)?;
+                } else {
+                    let xd = self.htod(x, "copying x")?;
+                    self.rmsnorm(Some(&xd), &wd, &mut out, x.len() / d, d, eps)?;
+                }
+            }
+            if let Some((tbl, heads, hd, dim)) = rope {
+                let width = heads * hd;
+                if width == 0 || x.len() % width != 0 {
+                    return Err(format!("{} values in rows of {heads} × {hd}", x.len()));
+                }
+                let t = self.htod(tbl, "copying the rotary table")?;
+                self.rope(&mut out, &t, x.len() / width, heads, hd, dim)?;
+            }
+            if !add.is_empty() {
+                let y = self.htod(add, "copying y")?;
+                let period = if add.len() == x.len() { 0 } else { add.len() };
+                self.add(&mut out, &y, period)?;
+            }
+            self.dtoh(&out)
+        }
+
         /// Copy `len` floats of `src` from `at` into `dst` from `to`, on the device.
         fn dtod(
             &self,

@@ -355,7 +355,12 @@ fn the_emulator_gets_the_cuda_core_kernels_and_a_table_of_them() {
     assert!(names.contains(&"bs_cu_attn_decode".to_string()));
     assert!(names.contains(&"bs_cu_attn_causal".to_string()));
     assert!(names.contains(&"bs_cu_attn_rows".to_string()));
-    for k in ["bs_cu_index_scores", "bs_cu_rmsnorm", "bs_cu_rope", "bs_cu_add"] {
+    for k in [
+        "bs_cu_index_scores",
+        "bs_cu_rmsnorm",
+        "bs_cu_rope",
+        "bs_cu_add",
+    ] {
         assert!(names.contains(&k.to_string()), "{k} missing from {names:?}");
     }
     // Every specialised shape has its kernels.

@@ -912,6 +912,103 @@ fn ffn_on(g: &gpu::Gpu) {
 /// `bench gpu`'s attention timing (run on a GPU by tools/gpu-check.sh): each
 /// kernel family times on every device, and a kernel of another family or
 /// another shape is refused before anything is launched.
+/// The layer kernels of a forward with every layer on the GPU, against the
+/// engine's CPU code: RoPE and the additions bit for bit, RMSNorm within the
+/// bound of its reordered sum of squares (each sum of d squares is within
+/// (d − 1)·2^-24 of the exact one, whatever the order), in place or not.
+#[test]
+fn layer_kernels_match_the_engine() {
+    use bespoke::engine::{rms_norm, Rope};
+    use bespoke::plan::config::RopeScaling;
+    for g in core_devices() {
+        let dev = device_name(g);
+        let mut rng = Rng(0x5EED_1A7E);
+        // (rows, width): one row, widths under, at and past a block's 128
+        // threads and a wide one.
+        for (rows, d) in [(1usize, 64usize), (3, 96), (2, 128), (5, 130), (2, 4096)] {
+            let mut x: Vec<f32> = (0..rows * d)
+                .map(|i| rng.unit() * [1e-3, 1.0, 1e3][i / d % 3])
+                .collect();
+            x[..d].fill(0.0); // a zero row: inv = 1 / sqrt(eps)
+            if rows > 2 {
+                x[2 * d + 1] = 1e18; // one large value among small ones
+            }
+            let w: Vec<f32> = (0..d).map(|_| rng.unit() * 2.0).collect();
+            let mut want = x.clone();
+            rms_norm(&mut want, &w, 1e-6);
+            let got = g.layer_ops(&x, Some((&w, 1e-6, false)), None, &[]).unwrap();
+            let inplace = g.layer_ops(&x, Some((&w, 1e-6, true)), None, &[]).unwrap();
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                inplace.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{dev}: RMSNorm {rows}×{d} in place differs"
+            );
+            let rel = (d as f64 + 8.0) * 2f64.powi(-24);
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                let err = (*a as f64 - *b as f64).abs();
+                assert!(
+                    err <= rel * (*b as f64).abs() + 1e-37,
+                    "{dev}: RMSNorm {rows}×{d} [{i}]: {a} against the CPU's {b}"
+                );
+            }
+        }
+        // RoPE over whole heads and over half of each (a partial rotary
+        // factor), GQA-like head counts, positions far apart.
+        for (heads, hd, dim) in [(4usize, 16usize, 16usize), (2, 64, 32), (3, 128, 128)] {
+            let rope = Rope::new(dim, 10000.0, &RopeScaling::None, 4096);
+            let rows = 3;
+            let x: Vec<f32> = (0..rows * heads * hd).map(|_| rng.unit() * 4.0).collect();
+            let mut tbl = vec![0.0f32; rows * hd];
+            for (r, t) in tbl.chunks_exact_mut(hd).enumerate() {
+                rope.table([0, 7, 3001][r], t);
+            }
+            let mut want = x.clone();
+            for (r, row) in want.chunks_exact_mut(heads * hd).enumerate() {
+                for head in row.chunks_exact_mut(hd) {
+                    rope.rotate(head, &tbl[r * hd..(r + 1) * hd]);
+                }
+            }
+            let got = g
+                .layer_ops(&x, None, Some((&tbl, heads, hd, dim)), &[])
+                .unwrap();
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{dev}: RoPE {heads} heads of {hd} over {dim}"
+            );
+        }
+        // A residual (as long as x) and a bias (a row's width), exactly.
+        let x: Vec<f32> = (0..6 * 40).map(|_| rng.activation()).collect();
+        for y in [
+            (0..6 * 40).map(|_| rng.activation()).collect::<Vec<f32>>(),
+            (0..40).map(|_| rng.unit()).collect(),
+        ] {
+            let want: Vec<f32> = x
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v + y[i % y.len()])
+                .collect();
+            let got = g.layer_ops(&x, None, None, &y).unwrap();
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{dev}: adding {} values",
+                y.len()
+            );
+        }
+        // Refused: a weight of another width, RoPE wider than a head, a bias
+        // that does not divide the rows.
+        assert!(g
+            .layer_ops(&x, Some((&[1.0; 7], 1e-6, true)), None, &[])
+            .is_err());
+        assert!(g
+            .layer_ops(&x, None, Some((&[0.0; 40], 1, 40, 42)), &[])
+            .is_err());
+        assert!(g.layer_ops(&x, None, None, &[1.0; 7]).is_err());
+        println!("{dev}: RMSNorm within its bound, RoPE and additions bit for bit");
+    }
+}
+
 #[test]
 fn attention_timing_launches_only_its_kernels() {
     let plan = bespoke::report::build_plan();
