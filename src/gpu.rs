@@ -3052,6 +3052,18 @@ impl RowKv {
     }
 }
 
+/// Whether a dense model whose layers are all resident runs each forward
+/// with every layer on the GPU ([`KvMirror::dense_forward`]); not with
+/// `BESPOKE_CUDA_LAYERS=off`, which keeps the block-by-block path (for
+/// measuring what the whole-layer path buys).
+pub fn whole_layers_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        !std::env::var("BESPOKE_CUDA_LAYERS")
+            .is_ok_and(|v| v.eq_ignore_ascii_case("off") || v == "0")
+    })
+}
+
 /// Put the model's weights in the VRAM tier ([`crate::placement`]): Ok(None)
 /// when there is no GPU (the status line already said why) and no budget was
 /// asked for; Ok(Some(line)) says what went where.
@@ -3116,6 +3128,17 @@ pub fn place_model(
                 a.tokens,
                 crate::inspect::human_bytes(kv_reserve)
             ),
+        };
+        // A dense model held whole, its attention included, runs each
+        // forward with every layer on the GPU (LlamaModel::forward_on_gpu).
+        let attention = if p.dense.0 == p.dense.1 && p.experts.1 == 0 && p.kv > 0 {
+            if whole_layers_enabled() {
+                format!("{attention}; each forward with every layer on the GPU (f32 activations)")
+            } else {
+                format!("{attention}; layers block by block (BESPOKE_CUDA_LAYERS=off)")
+            }
+        } else {
+            attention
         };
         Ok(Some(format!(
             "CUDA: VRAM tier {} of a {} budget: {} of {} dense matrices, {} of {} routed experts (most used first per layer); {attention}; the rest on the CPU",

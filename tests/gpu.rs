@@ -1056,11 +1056,16 @@ fn attention_timing_launches_only_its_kernels() {
 /// `score` of fixture `name` with `flags`, on the emulator and on the GPU
 /// where there is one, against `score` on the CPU: the same greedy choices
 /// and logits within 1e-3; `check(dev, stderr)` looks at what it said.
-fn score_against_the_cpu(name: &str, flags: &[&str], check: impl Fn(&str, &str)) {
+fn score_against_the_cpu(
+    name: &str,
+    flags: &[&str],
+    env: &[(&str, &str)],
+    check: impl Fn(&str, &str),
+) {
     let mut envs: Vec<(&str, Vec<(&str, &str)>)> =
-        vec![("emulator", vec![("BESPOKE_CUDA", "emu")])];
+        vec![("emulator", [&[("BESPOKE_CUDA", "emu")], env].concat())];
     if gpu_or_reason().is_some() {
-        envs.push(("GPU", vec![]));
+        envs.push(("GPU", env.to_vec()));
     }
     let (ok, cpu, err) = score_last(name, &[], &[("BESPOKE_CUDA", "off")]);
     assert!(ok, "{name} on the CPU: {err}");
@@ -1091,7 +1096,7 @@ fn score_against_the_cpu(name: &str, flags: &[&str], check: impl Fn(&str, &str))
 #[test]
 fn score_runs_with_every_matrix_in_the_vram_tier() {
     for name in ["tiny-llama", "tiny-qwen3-moe", "tiny-dsv4"] {
-        score_against_the_cpu(name, &["--vram", "4"], |dev, err| {
+        score_against_the_cpu(name, &["--vram", "4"], &[], |dev, err| {
             assert!(
                 err.contains("CUDA: VRAM tier"),
                 "{name} on the {dev}: {err}"
@@ -1102,8 +1107,26 @@ fn score_runs_with_every_matrix_in_the_vram_tier() {
                 "{name} on the {dev}: {err}"
             );
             assert!(!err.contains("failed"), "{name} on the {dev}: {err}");
+            // The dense model's forwards run with every layer there.
+            assert_eq!(
+                err.contains("each forward with every layer on the GPU"),
+                name == "tiny-llama",
+                "{name} on the {dev}: {err}"
+            );
         });
     }
+    // And with BESPOKE_CUDA_LAYERS=off block by block, the same tokens.
+    score_against_the_cpu(
+        "tiny-llama",
+        &["--vram", "4"],
+        &[("BESPOKE_CUDA_LAYERS", "off")],
+        |dev, err| {
+            assert!(
+                err.contains("layers block by block (BESPOKE_CUDA_LAYERS=off)"),
+                "tiny-llama on the {dev}: {err}"
+            );
+        },
+    );
 }
 
 /// A budget that holds only some routed experts: in each MoE layer the
@@ -1114,7 +1137,7 @@ fn score_runs_with_every_matrix_in_the_vram_tier() {
 fn score_runs_with_some_experts_in_the_vram_tier() {
     // Budgets (GiB) that hold every dense matrix and part of the experts.
     for (name, gib) in [("tiny-qwen3-moe", "0.0002"), ("tiny-dsv4", "0.0007")] {
-        score_against_the_cpu(name, &["--vram", gib], |dev, err| {
+        score_against_the_cpu(name, &["--vram", gib], &[], |dev, err| {
             let line = err
                 .lines()
                 .find(|l| l.contains("CUDA: VRAM tier"))
@@ -1130,8 +1153,26 @@ fn score_runs_with_some_experts_in_the_vram_tier() {
                 "{name} on the {dev}: some but not all experts resident: {line}"
             );
             assert!(!err.contains("failed"), "{name} on the {dev}: {err}");
+            // The dense model's forwards run with every layer there.
+            assert_eq!(
+                err.contains("each forward with every layer on the GPU"),
+                name == "tiny-llama",
+                "{name} on the {dev}: {err}"
+            );
         });
     }
+    // And with BESPOKE_CUDA_LAYERS=off block by block, the same tokens.
+    score_against_the_cpu(
+        "tiny-llama",
+        &["--vram", "4"],
+        &[("BESPOKE_CUDA_LAYERS", "off")],
+        |dev, err| {
+            assert!(
+                err.contains("layers block by block (BESPOKE_CUDA_LAYERS=off)"),
+                "tiny-llama on the {dev}: {err}"
+            );
+        },
+    );
 }
 
 /// `score --json --logits last` output: (argmax per position, last logits).

@@ -97,7 +97,7 @@ for t in "${tests[@]}"; do
   if runtest "$t" > "$out/test-$t.log" 2>&1; then r=passed; else r=FAILED; fail=1; fi
   echo "- $t: $r — $(grep -E '^test result' "$out/test-$t.log" | tail -1)" >> "$summary"
   # (tests/gpu.rs runs its checks on the CPU emulator too: only the GPU's lines here)
-  grep -E "worst|bit-identical|bit for bit|ok \(|attention hd|bs_cu_attn_|greedy|SwiGLU blocks" "$out/test-$t.log" | grep -v "emulator" | sed 's/^/    /' >> "$summary"
+  grep -E "worst|bit-identical|bit for bit|ok \(|attention hd|bs_cu_attn_|greedy|SwiGLU blocks|layers run whole|RMSNorm" "$out/test-$t.log" | grep -v "emulator" | sed 's/^/    /' >> "$summary"
 done
 
 echo -e "\n## bespoke plan (CUDA side)\n\n\`\`\`" >> "$summary"
@@ -112,19 +112,36 @@ echo '```' >> "$summary"
 
 # A whole model, weights and attention in VRAM against the CPU: on a fixture
 # this small the time is the launches' and the waits', which the SwiGLU
-# blocks (one wait each, the MoE layer's experts queued together) cut.
-echo -e "\n## bespoke bench e2e: tiny-dsv4 and tiny-qwen3-moe, --vram 8 then the CPU\n\n\`\`\`" >> "$summary"
-for m in tiny-dsv4 tiny-qwen3-moe; do
-  for dev in gpu cpu; do
-    echo "$m, $dev:" >> "$summary"
-    if [ "$dev" = gpu ]; then
-      $bin bench e2e --model "fixtures/$m" --quick --vram 8 > "$out/e2e-$m-$dev.log" 2>&1 || fail=1
-    else
-      BESPOKE_CUDA=off $bin bench e2e --model "fixtures/$m" --quick > "$out/e2e-$m-$dev.log" 2>&1 || fail=1
-    fi
-    grep -E "^threads|VRAM tier|failed" "$out/e2e-$m-$dev.log" >> "$summary"
-  done
+# blocks (one wait each, the MoE layer's experts queued together) and, for
+# the dense tiny-llama, the forwards with every layer on the GPU (one wait a
+# step; "blocks" is the same build with BESPOKE_CUDA_LAYERS=off) cut.
+e2e() { # model, mode, extra bench flags
+  local m=$1 mode=$2 log="$out/e2e-$(basename "$1")-$2.log"; shift 2
+  echo "$m, $mode:" >> "$summary"
+  case $mode in
+    gpu) $bin bench e2e --model "$m" --vram 8 "$@" > "$log" 2>&1 || fail=1 ;;
+    blocks) BESPOKE_CUDA_LAYERS=off $bin bench e2e --model "$m" --vram 8 "$@" > "$log" 2>&1 || fail=1 ;;
+    cpu) BESPOKE_CUDA=off $bin bench e2e --model "$m" "$@" > "$log" 2>&1 || fail=1 ;;
+  esac
+  grep -E "^threads|VRAM tier|failed" "$log" >> "$summary"
+}
+echo -e "\n## bespoke bench e2e: fixtures, --vram 8, then the CPU\n\n\`\`\`" >> "$summary"
+for m in tiny-dsv4 tiny-qwen3-moe tiny-llama; do
+  modes="gpu cpu"; [ $m = tiny-llama ] && modes="gpu blocks cpu"
+  for mode in $modes; do e2e "fixtures/$m" $mode --quick; done
 done
 echo '```' >> "$summary"
+
+# A dense model large enough for the GPU's bandwidth to count (0.92 GiB of
+# BF16, tools/make_bench_model.py; needs numpy): whole forwards on the GPU,
+# block by block, and the CPU.
+bench_llama=${BESPOKE_BENCH_LLAMA:-/tmp/bespoke-bench-llama}
+if [ -f "$bench_llama/model.safetensors" ] || python3 tools/make_bench_model.py --out "$bench_llama" > "$out/make-bench.log" 2>&1; then
+  echo -e "\n## bespoke bench e2e: the bench Llama ($bench_llama), --vram 8, then the CPU\n\n\`\`\`" >> "$summary"
+  for mode in gpu blocks cpu; do e2e "$bench_llama" $mode --prompt-len 128 --gen 32; done
+  echo '```' >> "$summary"
+else
+  echo -e "\n(no bench Llama: $(tail -1 "$out/make-bench.log"))" >> "$summary"
+fi
 cat "$summary"
 exit $fail

@@ -544,7 +544,11 @@ impl<'m> LlamaModel<'m> {
     ) -> Result<Option<Vec<f32>>, EngineError> {
         let (k, d) = (&self.kernels, self.d);
         let n = x.len() / d;
-        let Some(mirror) = cache.gpu.as_mut() else {
+        let Some(mirror) = cache
+            .gpu
+            .as_mut()
+            .filter(|_| crate::gpu::whole_layers_enabled())
+        else {
             return Ok(None);
         };
         let mut mats = Vec::with_capacity(self.layers.len());
