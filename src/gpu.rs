@@ -243,6 +243,10 @@ mod imp {
         capacity: usize,
         tier: u32,
         bytes: u64,
+        /// [`KvMirror::dense_forward`]'s activations, kept from step to step
+        /// (grown when a step needs more), so that a decode step allocates
+        /// nothing on the device.
+        work: Vec<DevBuf<f32>>,
     }
 
     impl KvMirror {
@@ -313,6 +317,7 @@ mod imp {
                 out,
                 scratch,
                 kernel,
+                work: Vec::new(),
                 n_heads,
                 n_kv_heads,
                 head_dim,
@@ -569,45 +574,64 @@ mod imp {
             {
                 return Err("a forward on the GPU: the kernels take sizes below 2^31".into());
             }
-            let mut xd = g.htod(x, "copying the embeddings")?;
-            let tbl = g.htod(rope, "copying the rotary table")?;
-            let mut hb = g.zeros::<f32>(n * d)?;
-            let mut qd = g.zeros::<f32>(n * hw)?;
-            let mut kd = g.zeros::<f32>(n * kvw)?;
-            let mut vd = g.zeros::<f32>(n * kvw)?;
-            let mut att = g.zeros::<f32>(n * hw)?;
-            let mut od = g.zeros::<f32>(n * d)?;
-            let mut gd = g.zeros::<f32>(n * inter)?;
-            let mut ud = g.zeros::<f32>(n * inter)?;
-            let mut stage = g.zeros::<f32>(kv.len())?;
+            let vocab = head.map_or(0, |(m, _)| m.rows);
+            let sizes = [
+                n * d,
+                n * hd,
+                n * d,
+                n * hw,
+                n * kvw,
+                n * kvw,
+                n * hw,
+                n * d,
+                n * inter,
+                n * inter,
+                kv.len(),
+                out_rows * vocab.max(1),
+            ];
+            // The step's buffers: the last step's where they are long
+            // enough (each is written before it is read, and every launch
+            // below is given its length, not the buffer's).
+            let mut work = std::mem::take(&mut self.work);
+            work.resize_with(sizes.len(), DevBuf::empty);
+            for (b, &len) in work.iter_mut().zip(&sizes) {
+                if b.len() < len {
+                    *b = g.zeros::<f32>(len)?;
+                }
+            }
+            let [xd, tbl, hb, qd, kd, vd, att, od, gd, ud, stage, logits] = &mut work[..] else {
+                return Err("a forward on the GPU: its buffers".into());
+            };
+            g.htod_into(x, xd, 0)?;
+            g.htod_into(rope, tbl, 0)?;
             for (li, (m, lv)) in mats.iter().zip(&vecs.layers).enumerate() {
                 let [mq, mk, mv, mo, mg, mu, mdn] = m;
-                g.rmsnorm(Some(&xd), &lv.in_norm, &mut hb, n, d, geo.eps)?;
-                g.product(mq, &hb, &mut qd, n)?;
-                g.product(mk, &hb, &mut kd, n)?;
-                g.product(mv, &hb, &mut vd, n)?;
+                g.rmsnorm(Some(xd), &lv.in_norm, hb, n, d, geo.eps)?;
+                g.product(mq, hb, qd, n)?;
+                g.product(mk, hb, kd, n)?;
+                g.product(mv, hb, vd, n)?;
                 for (buf, b) in [
-                    (&mut qd, &lv.bias[0]),
-                    (&mut kd, &lv.bias[1]),
-                    (&mut vd, &lv.bias[2]),
+                    (&mut *qd, &lv.bias[0]),
+                    (&mut *kd, &lv.bias[1]),
+                    (&mut *vd, &lv.bias[2]),
                 ] {
                     if let Some(b) = b {
-                        g.add(buf, b, b.len())?;
+                        g.add(buf, b, n * b.len(), b.len())?;
                     }
                 }
                 if let Some((qn, kn)) = &lv.qk_norm {
-                    g.rmsnorm(None, qn, &mut qd, n * h, hd, geo.eps)?;
-                    g.rmsnorm(None, kn, &mut kd, n * kvh, hd, geo.eps)?;
+                    g.rmsnorm(None, qn, qd, n * h, hd, geo.eps)?;
+                    g.rmsnorm(None, kn, kd, n * kvh, hd, geo.eps)?;
                 }
-                g.rope(&mut qd, &tbl, n, h, hd, geo.rope_dim)?;
-                g.rope(&mut kd, &tbl, n, kvh, hd, geo.rope_dim)?;
-                g.dtod(&kd, 0, &mut self.k[li], pos0 * kvw, n * kvw)?;
-                g.dtod(&vd, 0, &mut self.v[li], pos0 * kvw, n * kvw)?;
-                g.dtod(&kd, 0, &mut stage, 2 * li * n * kvw, n * kvw)?;
-                g.dtod(&vd, 0, &mut stage, (2 * li + 1) * n * kvw, n * kvw)?;
+                g.rope(qd, tbl, n, h, hd, geo.rope_dim)?;
+                g.rope(kd, tbl, n, kvh, hd, geo.rope_dim)?;
+                g.dtod(kd, 0, &mut self.k[li], pos0 * kvw, n * kvw)?;
+                g.dtod(vd, 0, &mut self.v[li], pos0 * kvw, n * kvw)?;
+                g.dtod(kd, 0, stage, 2 * li * n * kvw, n * kvw)?;
+                g.dtod(vd, 0, stage, (2 * li + 1) * n * kvw, n * kvw)?;
                 for c0 in (0..n).step_by(GPU_QUERIES) {
                     let c = GPU_QUERIES.min(n - c0);
-                    g.dtod(&qd, c0 * hw, &mut self.q, 0, c * hw)?;
+                    g.dtod(qd, c0 * hw, &mut self.q, 0, c * hw)?;
                     let geo = AttnGeo {
                         n_heads: h,
                         n_kv_heads: kvh,
@@ -633,36 +657,38 @@ mod imp {
                         &mut self.scratch,
                         geo,
                     )?;
-                    g.dtod(&self.out, 0, &mut att, c0 * hw, c * hw)?;
+                    g.dtod(&self.out, 0, att, c0 * hw, c * hw)?;
                 }
-                g.product(mo, &att, &mut od, n)?;
+                g.product(mo, att, od, n)?;
                 if let Some(b) = &lv.bias[3] {
-                    g.add(&mut od, b, d)?;
+                    g.add(od, b, n * d, d)?;
                 }
-                g.add(&mut xd, &od, 0)?;
-                g.rmsnorm(Some(&xd), &lv.post_norm, &mut hb, n, d, geo.eps)?;
-                g.product(mg, &hb, &mut gd, n)?;
-                g.product(mu, &hb, &mut ud, n)?;
-                g.swiglu_launch(&mut gd, &ud, n * mg.0.rows, None)?;
-                g.product(mdn, &gd, &mut od, n)?;
-                g.add(&mut xd, &od, 0)?;
+                g.add(xd, od, n * d, 0)?;
+                g.rmsnorm(Some(xd), &lv.post_norm, hb, n, d, geo.eps)?;
+                g.product(mg, hb, gd, n)?;
+                g.product(mu, hb, ud, n)?;
+                g.swiglu_launch(gd, ud, n * mg.0.rows, None)?;
+                g.product(mdn, gd, od, n)?;
+                g.add(xd, od, n * d, 0)?;
             }
             let m = out_rows;
-            g.dtod(&xd, (n - m) * d, &mut hb, 0, m * d)?;
-            g.rmsnorm(None, &vecs.norm, &mut hb, m, d, geo.eps)?;
+            g.dtod(xd, (n - m) * d, hb, 0, m * d)?;
+            g.rmsnorm(None, &vecs.norm, hb, m, d, geo.eps)?;
             let out = match head {
                 Some(hm) => {
-                    let mut y = g.zeros::<f32>(m * hm.0.rows)?;
-                    g.product(hm, &hb, &mut y, m)?;
-                    g.dtoh(&y)?
+                    g.product(hm, hb, logits, m)?;
+                    let mut v = vec![0.0f32; m * vocab];
+                    g.dtoh_into(logits, &mut v)?;
+                    v
                 }
                 None => {
                     let mut v = vec![0.0f32; m * d];
-                    g.dtoh_into(&hb, &mut v)?;
+                    g.dtoh_into(hb, &mut v)?;
                     v
                 }
             };
-            g.dtoh_into(&stage, kv)?;
+            g.dtoh_into(stage, kv)?;
+            self.work = work;
             tier::count_layers(self.tier, layers as u64);
             Ok(out)
         }
@@ -1065,6 +1091,11 @@ mod imp {
 
         pub fn is_empty(&self) -> bool {
             self.len() == 0
+        }
+
+        /// A buffer of nothing (no device memory): a placeholder.
+        fn empty() -> DevBuf<T> {
+            DevBuf(Buf::Host(Vec::new()))
         }
     }
 
@@ -1691,11 +1722,17 @@ mod imp {
             self.run("bs_cu_rmsnorm", blocks128(rows as u32, 1), &mut args)
         }
 
-        /// x += y over all of x (`period` 0, y as long), or x[i] +=
-        /// y[i % period] (a bias on every row of `period`, y that long).
-        fn add(&self, x: &mut DevBuf<f32>, y: &DevBuf<f32>, period: usize) -> Result<(), String> {
-            let n = x.len();
+        /// x[i] += y[i] for i < n (`period` 0), or x[i] += y[i % period]
+        /// (a bias on every row of `period`, y that long).
+        fn add(
+            &self,
+            x: &mut DevBuf<f32>,
+            y: &DevBuf<f32>,
+            n: usize,
+            period: usize,
+        ) -> Result<(), String> {
             if n > i32::MAX as usize
+                || n > x.len()
                 || (period == 0 && y.len() < n)
                 || (period > 0 && (y.len() != period || n % period != 0))
             {
@@ -1798,7 +1835,7 @@ mod imp {
             if !add.is_empty() {
                 let y = self.htod(add, "copying y")?;
                 let period = if add.len() == x.len() { 0 } else { add.len() };
-                self.add(&mut out, &y, period)?;
+                self.add(&mut out, &y, x.len(), period)?;
             }
             self.dtoh(&out)
         }
