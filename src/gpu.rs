@@ -243,10 +243,12 @@ mod imp {
         capacity: usize,
         tier: u32,
         bytes: u64,
-        /// [`KvMirror::dense_forward`]'s activations, kept from step to step
+        /// [`KvMirror::layers_forward`]'s activations, kept from step to step
         /// (grown when a step needs more), so that a decode step allocates
         /// nothing on the device.
         work: Vec<DevBuf<f32>>,
+        /// An MoE layer's experts' outputs in such a step, one buffer each.
+        expert_out: Vec<DevBuf<f32>>,
     }
 
     impl KvMirror {
@@ -318,6 +320,7 @@ mod imp {
                 scratch,
                 kernel,
                 work: Vec::new(),
+                expert_out: Vec::new(),
                 n_heads,
                 n_kv_heads,
                 head_dim,
@@ -418,7 +421,7 @@ mod imp {
     }
 
     /// A dense Llama-family model's geometry, as a forward on the GPU
-    /// ([`KvMirror::dense_forward`]) takes it.
+    /// ([`KvMirror::layers_forward`]) takes it.
     #[derive(Clone, Copy, Debug)]
     pub struct DenseGeo {
         pub d: usize,
@@ -476,37 +479,145 @@ mod imp {
         }
     }
 
-    /// One layer's resident matrices for [`KvMirror::dense_forward`]: q, k,
-    /// v, o, gate, up and down, each with whether the build specialised a
-    /// kernel for its shape.
-    pub type DenseMats = [(Arc<DevMat>, bool); 7];
+    /// A resident matrix for a product on the device, with whether the
+    /// build specialised a kernel for its shape.
+    pub type DevProduct = (Arc<DevMat>, bool);
+
+    /// One layer's resident matrices for [`KvMirror::layers_forward`].
+    pub struct LayerMats {
+        /// q, k, v and o.
+        pub attn: [DevProduct; 4],
+        pub ffn: LayerFfn,
+    }
+
+    /// A layer's feed-forward block in [`KvMirror::layers_forward`].
+    pub enum LayerFfn {
+        /// A dense SwiGLU MLP: gate, up and down.
+        Dense([DevProduct; 3]),
+        /// Routed SwiGLU experts of intermediate width `inter`: the router
+        /// (resident) runs on the device, and for each step the engine
+        /// ([`MoeHost`]) says which experts its tokens chose and which of
+        /// them are resident.
+        Moe { router: DevProduct, inter: usize },
+    }
+
+    /// An expert a step's tokens chose in an MoE layer ([`MoeHost::route`]).
+    pub struct RoutedExpert {
+        pub expert: usize,
+        /// Its tokens, ascending, each below the step's count, with their
+        /// weights.
+        pub tokens: Vec<(usize, f32)>,
+        /// Gate, up and down where all three are resident (it runs on the
+        /// device); None: it runs on the CPU ([`MoeHost::run_expert`]).
+        pub mats: Option<[DevProduct; 3]>,
+    }
+
+    /// The engine's side of its MoE layers in a forward on the GPU: the
+    /// routing (made on the CPU from the router's logits, as the CPU path
+    /// makes it, usage counted) and the experts that are not resident.
+    pub trait MoeHost {
+        /// The experts layer `layer`'s router logits `[n][experts]` choose,
+        /// in the order their outputs add up.
+        fn route(
+            &self,
+            layer: usize,
+            logits: &[f32],
+            n: usize,
+        ) -> Result<Vec<RoutedExpert>, String>;
+        /// Expert `expert` of layer `layer` on the CPU: `y` `[rows][d]` from
+        /// its tokens' rows `x` `[rows][d]`.
+        fn run_expert(
+            &self,
+            layer: usize,
+            expert: usize,
+            x: &[f32],
+            y: &mut [f32],
+        ) -> Result<(), String>;
+    }
+
+    /// A step's experts of one MoE layer, checked, with their tokens
+    /// flattened: indices and weights, expert i's from `offs[i]`.
+    struct Routing {
+        experts: Vec<RoutedExpert>,
+        idx: Vec<i32>,
+        weights: Vec<f32>,
+        offs: Vec<usize>,
+    }
+
+    fn check_routing(
+        experts: Vec<RoutedExpert>,
+        n: usize,
+        d: usize,
+        inter: usize,
+    ) -> Result<Routing, String> {
+        let (mut idx, mut weights, mut offs) = (Vec::new(), Vec::new(), vec![0]);
+        for r in &experts {
+            let ascending = r.tokens.windows(2).all(|w| w[0].0 < w[1].0);
+            if r.tokens.is_empty() || !ascending || r.tokens.last().is_some_and(|t| t.0 >= n) {
+                return Err(format!(
+                    "expert {}: tokens {:?} for a step of {n} (one or more, ascending, below {n})",
+                    r.expert,
+                    r.tokens.iter().map(|t| t.0).collect::<Vec<_>>()
+                ));
+            }
+            if let Some([(g, _), (u, _), (dn, _)]) = &r.mats {
+                let i = g.rows;
+                if i > inter || (g.cols, u.rows, u.cols, dn.rows, dn.cols) != (d, i, d, d, i) {
+                    return Err(format!(
+                        "expert {}: gate {}×{}, up {}×{} and down {}×{} do not chain at width {d} \
+                         within {inter}",
+                        r.expert, g.rows, g.cols, u.rows, u.cols, dn.rows, dn.cols
+                    ));
+                }
+            }
+            idx.extend(r.tokens.iter().map(|t| t.0 as i32));
+            weights.extend(r.tokens.iter().map(|t| t.1));
+            offs.push(idx.len());
+        }
+        Ok(Routing {
+            experts,
+            idx,
+            weights,
+            offs,
+        })
+    }
 
     impl KvMirror {
-        /// One forward of a dense Llama-family model (Llama, Qwen2, Qwen3)
-        /// with every layer on the GPU: `x` the tokens' embeddings [n][d],
-        /// uploaded once, `rope` each token's rotary table (rows of head_dim
-        /// floats: cos then sin of rope_dim / 2 frequencies, as
-        /// `Rope::table` makes them), positions pos0 .. pos0 + n − 1. Per
-        /// layer, all on the device: RMSNorm, q/k/v, biases, the q/k norms,
-        /// RoPE, the keys and values into this mirror, causal attention, o,
-        /// the residual, RMSNorm, gate, up, SwiGLU, down and the residual;
-        /// then the final RMSNorm of the last `out_rows` rows and, with a
-        /// resident `head`, the logits. Nothing comes back until the end:
-        /// Ok(logits [out_rows][vocab]), or without a head the normalised
-        /// rows [out_rows][d] (the caller applies its head), with `kv`
-        /// [layers][k, v][n][kv_heads × head_dim] the new keys and values
-        /// for the CPU's copy of the cache. The products are the CUDA-core
-        /// kernels of the per-product path, RoPE, biases and residuals are
-        /// the CPU's bit for bit, and the norms' sums of squares go in a
-        /// tree (`bs_cu_rmsnorm`). Err: shapes that do not chain or do not
-        /// fit the mirror, or a failed launch or copy (the caller runs the
-        /// step on the CPU, whose cache this step has not touched).
+        /// One forward of a Llama-family model (Llama, Qwen2, Qwen3,
+        /// Qwen3-MoE) with every layer on the GPU: `x` the tokens'
+        /// embeddings [n][d], uploaded once, `rope` each token's rotary
+        /// table (rows of head_dim floats: cos then sin of rope_dim / 2
+        /// frequencies, as `Rope::table` makes them), positions pos0 ..
+        /// pos0 + n − 1. Per layer, on the device: RMSNorm, q/k/v, biases,
+        /// the q/k norms, RoPE, the keys and values into this mirror, causal
+        /// attention, o, the residual, RMSNorm; then a dense MLP (gate, up,
+        /// SwiGLU, down) or an MoE block, and the residual. An MoE block
+        /// runs its router on the device and sends the logits back (the one
+        /// wait of such a layer): `moe` routes them, the chosen resident
+        /// experts are queued on the device (their tokens' rows gathered
+        /// there), the others run on the CPU meanwhile (`moe.run_expert`,
+        /// on the normalised rows, which then come back too) and go up, and
+        /// every expert's output is added, weighted, in the routing's order
+        /// (`bs_cu_scatter_add`, as the CPU adds). Then the final RMSNorm of
+        /// the last `out_rows` rows and, with a resident `head`, the
+        /// logits: Ok(logits [out_rows][vocab]), or without a head the
+        /// normalised rows [out_rows][d] (the caller applies its head), with
+        /// `kv` [layers][k, v][n][kv_heads × head_dim] the new keys and
+        /// values for the CPU's copy of the cache. The products are the
+        /// CUDA-core kernels of the per-product path; RoPE, biases,
+        /// residuals and the experts' weighted sums are the CPU's bit for
+        /// bit; the norms' sums of squares go in a tree (`bs_cu_rmsnorm`).
+        /// Err: shapes that do not chain or do not fit the mirror, a routing
+        /// that does not fit the step, or a failed launch or copy (the
+        /// caller runs the step on the CPU, whose cache this step has not
+        /// touched).
         #[allow(clippy::too_many_arguments)]
-        pub fn dense_forward(
+        pub fn layers_forward(
             &mut self,
             vecs: &DenseVectors,
-            mats: &[DenseMats],
-            head: Option<&(Arc<DevMat>, bool)>,
+            mats: &[LayerMats],
+            moe: Option<&dyn MoeHost>,
+            head: Option<&DevProduct>,
             x: &[f32],
             rope: &[f32],
             pos0: usize,
@@ -543,18 +654,32 @@ mod imp {
                     kv.len()
                 ));
             }
-            let mut inter = 0;
+            let (mut inter, mut experts_out) = (0, 0);
             for (li, m) in mats.iter().enumerate() {
                 let want = [(hw, d), (kvw, d), (kvw, d), (d, hw)];
-                let got: Vec<(usize, usize)> = m.iter().map(|(m, _)| (m.rows, m.cols)).collect();
-                let i = got[4].0;
-                if got[..4] != want || got[4..] != [(i, d), (i, d), (d, i)] {
+                let got: Vec<(usize, usize)> =
+                    m.attn.iter().map(|(m, _)| (m.rows, m.cols)).collect();
+                let ffn = match &m.ffn {
+                    LayerFfn::Dense(f) => {
+                        let i = f[0].0.rows;
+                        inter = inter.max(i);
+                        let fg: Vec<(usize, usize)> =
+                            f.iter().map(|(m, _)| (m.rows, m.cols)).collect();
+                        fg == [(i, d), (i, d), (d, i)]
+                    }
+                    LayerFfn::Moe { router, inter: i } => {
+                        inter = inter.max(*i);
+                        experts_out = experts_out.max(router.0.rows);
+                        router.0.cols == d && moe.is_some()
+                    }
+                };
+                if got != want || !ffn {
                     return Err(format!(
-                        "a forward on the GPU: layer {li}'s q, k, v, o, gate, up and down are {got:?}, \
-                         which do not chain for {h} heads over {kvh} of {hd} at width {d}"
+                        "a forward on the GPU: layer {li}'s q, k, v and o are {got:?} and its feed-forward \
+                         block does not chain (or has no router host) for {h} heads over {kvh} of {hd} at \
+                         width {d}"
                     ));
                 }
-                inter = inter.max(i);
             }
             if let Some((m, _)) = head {
                 if m.cols != d {
@@ -564,7 +689,8 @@ mod imp {
                     ));
                 }
             }
-            let widest = [d, hw, inter, head.map_or(0, |(m, _)| m.rows)]
+            let vocab = head.map_or(0, |(m, _)| m.rows);
+            let widest = [d, hw, inter, vocab, experts_out]
                 .into_iter()
                 .max()
                 .unwrap_or(0);
@@ -574,7 +700,6 @@ mod imp {
             {
                 return Err("a forward on the GPU: the kernels take sizes below 2^31".into());
             }
-            let vocab = head.map_or(0, |(m, _)| m.rows);
             let sizes = [
                 n * d,
                 n * hd,
@@ -584,10 +709,12 @@ mod imp {
                 n * kvw,
                 n * hw,
                 n * d,
-                n * inter,
-                n * inter,
+                n * inter.max(1),
+                n * inter.max(1),
                 kv.len(),
                 out_rows * vocab.max(1),
+                n * experts_out.max(1),
+                n * d,
             ];
             // The step's buffers: the last step's where they are long
             // enough (each is written before it is read, and every launch
@@ -599,13 +726,16 @@ mod imp {
                     *b = g.zeros::<f32>(len)?;
                 }
             }
-            let [xd, tbl, hb, qd, kd, vd, att, od, gd, ud, stage, logits] = &mut work[..] else {
+            let [xd, tbl, hb, qd, kd, vd, att, od, gd, ud, stage, logits, rl, xe] = &mut work[..]
+            else {
                 return Err("a forward on the GPU: its buffers".into());
             };
             g.htod_into(x, xd, 0)?;
             g.htod_into(rope, tbl, 0)?;
+            let mut ys = std::mem::take(&mut self.expert_out);
+            let mut gpu_experts = 0u64;
             for (li, (m, lv)) in mats.iter().zip(&vecs.layers).enumerate() {
-                let [mq, mk, mv, mo, mg, mu, mdn] = m;
+                let [mq, mk, mv, mo] = &m.attn;
                 g.rmsnorm(Some(xd), &lv.in_norm, hb, n, d, geo.eps)?;
                 g.product(mq, hb, qd, n)?;
                 g.product(mk, hb, kd, n)?;
@@ -665,10 +795,75 @@ mod imp {
                 }
                 g.add(xd, od, n * d, 0)?;
                 g.rmsnorm(Some(xd), &lv.post_norm, hb, n, d, geo.eps)?;
-                g.product(mg, hb, gd, n)?;
-                g.product(mu, hb, ud, n)?;
-                g.swiglu_launch(gd, ud, n * mg.0.rows, None)?;
-                g.product(mdn, gd, od, n)?;
+                match &m.ffn {
+                    LayerFfn::Dense([mg, mu, mdn]) => {
+                        g.product(mg, hb, gd, n)?;
+                        g.product(mu, hb, ud, n)?;
+                        g.swiglu_launch(gd, ud, n * mg.0.rows, None)?;
+                        g.product(mdn, gd, od, n)?;
+                    }
+                    LayerFfn::Moe { router, inter } => {
+                        let host = moe.ok_or("an MoE layer and no router host")?;
+                        g.product(router, hb, rl, n)?;
+                        let mut scores = vec![0.0f32; n * router.0.rows];
+                        g.dtoh_into(rl, &mut scores)?;
+                        let r = check_routing(host.route(li, &scores, n)?, n, d, *inter)?;
+                        // The normalised rows, for the experts the CPU runs
+                        // (before the device's experts are queued, so that
+                        // the CPU's run beside them).
+                        let mut rows = Vec::new();
+                        if r.experts.iter().any(|e| e.mats.is_none()) {
+                            rows = vec![0.0f32; n * d];
+                            g.dtoh_into(hb, &mut rows)?;
+                        }
+                        let idx = g.htod(&r.idx, "copying the routing")?;
+                        let wts = g.htod(&r.weights, "copying the routing")?;
+                        if ys.len() < r.experts.len() {
+                            ys.resize_with(r.experts.len(), DevBuf::empty);
+                        }
+                        for (i, e) in r.experts.iter().enumerate() {
+                            let c = e.tokens.len();
+                            if ys[i].len() < c * d {
+                                ys[i] = g.zeros::<f32>(c * d)?;
+                            }
+                            let Some([eg, eu, edn]) = &e.mats else {
+                                continue;
+                            };
+                            // A step whose every token chose it takes the
+                            // rows as they are (a decode step: always).
+                            let input: &DevBuf<f32> = if c == n {
+                                hb
+                            } else {
+                                g.gather(xe, hb, &idx, r.offs[i], c, d)?;
+                                xe
+                            };
+                            g.product(eg, input, gd, c)?;
+                            g.product(eu, input, ud, c)?;
+                            g.swiglu_launch(gd, ud, c * eg.0.rows, None)?;
+                            g.product(edn, gd, &mut ys[i], c)?;
+                            gpu_experts += 1;
+                        }
+                        for (i, e) in r
+                            .experts
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, e)| e.mats.is_none())
+                        {
+                            let c = e.tokens.len();
+                            let mut xr = Vec::with_capacity(c * d);
+                            for &(t, _) in &e.tokens {
+                                xr.extend_from_slice(&rows[t * d..(t + 1) * d]);
+                            }
+                            let mut y = vec![0.0f32; c * d];
+                            host.run_expert(li, e.expert, &xr, &mut y)?;
+                            g.htod_into(&y, &mut ys[i], 0)?;
+                        }
+                        g.zero(od, n * d)?;
+                        for (i, e) in r.experts.iter().enumerate() {
+                            g.scatter_add(od, &ys[i], &idx, &wts, r.offs[i], e.tokens.len(), d)?;
+                        }
+                    }
+                }
                 g.add(xd, od, n * d, 0)?;
             }
             let m = out_rows;
@@ -689,7 +884,9 @@ mod imp {
             };
             g.dtoh_into(stage, kv)?;
             self.work = work;
+            self.expert_out = ys;
             tier::count_layers(self.tier, layers as u64);
+            tier::count_experts(self.tier, gpu_experts);
             Ok(out)
         }
     }
@@ -1794,7 +1991,7 @@ mod imp {
             self.run("bs_cu_rope", cfg, &mut args)
         }
 
-        /// The layer kernels of [`KvMirror::dense_forward`] on host slices
+        /// The layer kernels of [`KvMirror::layers_forward`] on host slices
         /// (the tests' form), each step where asked: `norm` (w, eps,
         /// in_place) RMSNorm of `x`'s rows of w.len() floats, in place on
         /// the device or into another buffer; then `rope` (tbl, heads, hd,
@@ -1838,6 +2035,113 @@ mod imp {
                 self.add(&mut out, &y, x.len(), period)?;
             }
             self.dtoh(&out)
+        }
+
+        /// The launch for `n` elements, one a thread, at most 65535 blocks
+        /// (the element-wise kernels loop over the rest).
+        fn spread(n: usize) -> LaunchConfig {
+            blocks128(n.div_ceil(128).clamp(1, 65535) as u32, 1)
+        }
+
+        /// Checks the rows `idx[off .. off + count]` of an MoE step: the
+        /// list holds them, and each is a row of a buffer of `rows` × `d`.
+        fn check_rows(
+            idx: &DevBuf<i32>,
+            off: usize,
+            count: usize,
+            d: usize,
+            elems: usize,
+        ) -> Result<(), String> {
+            let n = count.saturating_mul(d);
+            if count == 0
+                || off + count > idx.len()
+                || n > i32::MAX as usize
+                || elems > i32::MAX as usize
+            {
+                return Err(format!(
+                    "{count} rows of {d} from {off} of a list of {} (over {elems} values)",
+                    idx.len()
+                ));
+            }
+            Ok(())
+        }
+
+        /// dst row j = src row idx[off + j] (`bs_cu_gather`), rows of `d`.
+        /// The indices are the routing's, checked below the step's token
+        /// count, which src and dst hold.
+        fn gather(
+            &self,
+            dst: &mut DevBuf<f32>,
+            src: &DevBuf<f32>,
+            idx: &DevBuf<i32>,
+            off: usize,
+            count: usize,
+            d: usize,
+        ) -> Result<(), String> {
+            Self::check_rows(idx, off, count, d, src.len())?;
+            if dst.len() < count * d || src.len() < count * d {
+                return Err(format!(
+                    "gathering {count} rows of {d} into {} values",
+                    dst.len()
+                ));
+            }
+            // bs_cu_gather's parameters in order; dst holds count × d, idx
+            // off + count entries, each a row of src (check_routing).
+            let mut args = vec![
+                Arg::F32Out(dst),
+                Arg::F32(src),
+                Arg::I32s(idx),
+                Arg::I32(off as i32),
+                Arg::I32(count as i32),
+                Arg::I32(d as i32),
+            ];
+            self.run("bs_cu_gather", Self::spread(count * d), &mut args)
+        }
+
+        /// out row idx[off + j] += y row j · w[off + j] (`bs_cu_scatter_add`).
+        #[allow(clippy::too_many_arguments)]
+        fn scatter_add(
+            &self,
+            out: &mut DevBuf<f32>,
+            y: &DevBuf<f32>,
+            idx: &DevBuf<i32>,
+            w: &DevBuf<f32>,
+            off: usize,
+            count: usize,
+            d: usize,
+        ) -> Result<(), String> {
+            Self::check_rows(idx, off, count, d, out.len())?;
+            if y.len() < count * d || w.len() != idx.len() {
+                return Err(format!(
+                    "adding {count} rows of {d} from {} values with {} weights for {} rows",
+                    y.len(),
+                    w.len(),
+                    idx.len()
+                ));
+            }
+            // bs_cu_scatter_add's parameters in order; y holds count × d,
+            // idx and w off + count entries, each index a row of out
+            // (check_routing: below the step's token count, which out holds).
+            let mut args = vec![
+                Arg::F32Out(out),
+                Arg::F32(y),
+                Arg::I32s(idx),
+                Arg::F32(w),
+                Arg::I32(off as i32),
+                Arg::I32(count as i32),
+                Arg::I32(d as i32),
+            ];
+            self.run("bs_cu_scatter_add", Self::spread(count * d), &mut args)
+        }
+
+        /// x[..n] = 0.
+        fn zero(&self, x: &mut DevBuf<f32>, n: usize) -> Result<(), String> {
+            if n > x.len() || n > i32::MAX as usize {
+                return Err(format!("zeroing {n} of {} values", x.len()));
+            }
+            // bs_cu_zero's parameters in order; x holds n (checked).
+            let mut args = vec![Arg::F32Out(x), Arg::I32(n as i32)];
+            self.run("bs_cu_zero", Self::spread(n), &mut args)
         }
 
         /// Copy `len` floats of `src` from `at` into `dst` from `to`, on the device.
@@ -2644,8 +2948,8 @@ mod imp {
 
 #[cfg(feature = "cuda")]
 pub use imp::{
-    emulator, emulator_selftest, gpu, DenseGeo, DenseMats, DenseVectors, DevBuf, DevMat, FfnBatch,
-    FfnJob, Gpu, KvMirror, LayerVectors, RowKv,
+    emulator, emulator_selftest, gpu, DenseGeo, DenseVectors, DevBuf, DevMat, DevProduct, FfnBatch,
+    FfnJob, Gpu, KvMirror, LayerFfn, LayerMats, LayerVectors, MoeHost, RoutedExpert, RowKv,
 };
 
 /// The VRAM tier: matrices made resident on the GPU, found again by the
@@ -2774,7 +3078,7 @@ pub mod tier {
 
     /// Per VRAM tier: SwiGLU blocks whose outputs came back from
     /// [`ffn_finish`], batches of products ([`products`]), and layers run
-    /// whole on the GPU ([`KvMirror::dense_forward`]).
+    /// whole on the GPU ([`KvMirror::layers_forward`]).
     fn counts() -> &'static Mutex<HashMap<u32, [u64; 3]>> {
         static C: OnceLock<Mutex<HashMap<u32, [u64; 3]>>> = OnceLock::new();
         C.get_or_init(Default::default)
@@ -2795,6 +3099,10 @@ pub mod tier {
 
     pub(super) fn count_layers(id: u32, layers: u64) {
         count(id, 2, layers);
+    }
+
+    pub(super) fn count_experts(id: u32, experts: u64) {
+        count(id, 0, experts);
     }
 
     /// Queue SwiGLU experts on the GPU ([`Gpu::ffn_start`]).
@@ -2837,7 +3145,7 @@ pub mod tier {
     }
 
     /// How many layers of tier `id`'s dense models ran whole on the GPU
-    /// ([`KvMirror::dense_forward`]), a forward's layers counted once each.
+    /// ([`KvMirror::layers_forward`]), a forward's layers counted once each.
     pub fn whole_layers(id: u32) -> u64 {
         counted(id, 2)
     }
@@ -3090,7 +3398,7 @@ impl RowKv {
 }
 
 /// Whether a dense model whose layers are all resident runs each forward
-/// with every layer on the GPU ([`KvMirror::dense_forward`]); not with
+/// with every layer on the GPU ([`KvMirror::layers_forward`]); not with
 /// `BESPOKE_CUDA_LAYERS=off`, which keeps the block-by-block path (for
 /// measuring what the whole-layer path buys).
 pub fn whole_layers_enabled() -> bool {
@@ -3166,11 +3474,20 @@ pub fn place_model(
                 crate::inspect::human_bytes(kv_reserve)
             ),
         };
-        // A dense model held whole, its attention included, runs each
-        // forward with every layer on the GPU (LlamaModel::forward_on_gpu).
-        let attention = if p.dense.0 == p.dense.1 && p.experts.1 == 0 && p.kv > 0 {
+        // A Llama-family model whose dense matrices are all resident, its
+        // attention included, runs each forward with every layer on the GPU
+        // (LlamaModel::forward_on_gpu; routed experts where they are).
+        let llama = matches!(eng, crate::generate::AnyModel::Llama(_));
+        let attention = if llama && p.dense.0 == p.dense.1 && p.kv > 0 {
             if whole_layers_enabled() {
-                format!("{attention}; each forward with every layer on the GPU (f32 activations)")
+                let experts = if p.experts.1 > 0 {
+                    ", routed experts where they are"
+                } else {
+                    ""
+                };
+                format!(
+                    "{attention}; each forward with every layer on the GPU (f32 activations{experts})"
+                )
             } else {
                 format!("{attention}; layers block by block (BESPOKE_CUDA_LAYERS=off)")
             }

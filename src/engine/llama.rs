@@ -526,14 +526,17 @@ impl<'m> LlamaModel<'m> {
         Ok(logits)
     }
 
-    /// The forward with every layer on the GPU ([`crate::gpu::KvMirror::dense_forward`]):
-    /// for a dense model whose attention runs there and whose every layer
-    /// matrix is resident, each taking f32 activations for this many
-    /// tokens. The embeddings `x` go up once and the logits (or, with the
-    /// head on the CPU, the normalised last rows) and the new keys and
-    /// values, for the CPU's copy of the cache, come back once. Ok(None):
-    /// not so here, or the GPU failed (said once; the sequence's attention
-    /// then goes back to the CPU), and the CPU path runs the step.
+    /// The forward with every layer on the GPU
+    /// ([`crate::gpu::KvMirror::layers_forward`]): for a model whose
+    /// attention runs there and whose every layer matrix (q, k, v, o and
+    /// the dense MLP, or the MoE router) is resident, each taking f32
+    /// activations for this many tokens; routed experts run where they are
+    /// ([`GpuRouting`]). The embeddings `x` go up once and the logits (or,
+    /// with the head on the CPU, the normalised last rows) and the new keys
+    /// and values, for the CPU's copy of the cache, come back once (and an
+    /// MoE layer's router logits in between). Ok(None): not so here, or the
+    /// GPU failed (said once; the sequence's attention then goes back to the
+    /// CPU), and the CPU path runs the step.
     #[cfg(feature = "cuda")]
     fn forward_on_gpu(
         &self,
@@ -542,6 +545,7 @@ impl<'m> LlamaModel<'m> {
         rope_tbl: &[f32],
         all_logits: bool,
     ) -> Result<Option<Vec<f32>>, EngineError> {
+        use crate::gpu::{LayerFfn, LayerMats};
         let (k, d) = (&self.kernels, self.d);
         let n = x.len() / d;
         let Some(mirror) = cache
@@ -551,22 +555,40 @@ impl<'m> LlamaModel<'m> {
         else {
             return Ok(None);
         };
+        let resident = |m: &Mat| -> Result<Option<crate::gpu::DevProduct>, EngineError> {
+            Ok(k.gpu_f32(&m.matrix()?, n))
+        };
         let mut mats = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
-            let Mlp::Dense { gate, up, down } = &l.mlp else {
+            let (Some(q), Some(kk), Some(v), Some(o)) = (
+                resident(&l.q)?,
+                resident(&l.k)?,
+                resident(&l.v)?,
+                resident(&l.o)?,
+            ) else {
                 return Ok(None);
             };
-            let mut dev = Vec::with_capacity(7);
-            for m in [&l.q, &l.k, &l.v, &l.o, gate, up, down] {
-                match k.gpu_f32(&m.matrix()?, n) {
-                    Some(v) => dev.push(v),
-                    None => return Ok(None),
+            let ffn = match &l.mlp {
+                Mlp::Dense { gate, up, down } => {
+                    match (resident(gate)?, resident(up)?, resident(down)?) {
+                        (Some(g), Some(u), Some(dn)) => LayerFfn::Dense([g, u, dn]),
+                        _ => return Ok(None),
+                    }
                 }
-            }
-            match <crate::gpu::DenseMats>::try_from(dev) {
-                Ok(v) => mats.push(v),
-                Err(_) => return Ok(None),
-            }
+                Mlp::Moe {
+                    router, experts, ..
+                } => match resident(router)? {
+                    Some(r) => LayerFfn::Moe {
+                        router: r,
+                        inter: experts.first().map_or(0, |e| e[0].rows),
+                    },
+                    None => return Ok(None),
+                },
+            };
+            mats.push(LayerMats {
+                attn: [q, kk, v, o],
+                ffn,
+            });
         }
         let vecs = self.gpu_vectors.get_or_init(|| {
             let layers: Vec<crate::gpu::LayerVectors> = self
@@ -606,7 +628,18 @@ impl<'m> LlamaModel<'m> {
         );
         let mut kv = vec![0.0f32; layers * 2 * n * kvw];
         let pos0 = cache.len;
-        match mirror.dense_forward(vecs, &mats, head.as_ref(), x, rope_tbl, pos0, rows, &mut kv) {
+        let host = GpuRouting { model: self };
+        match mirror.layers_forward(
+            vecs,
+            &mats,
+            Some(&host),
+            head.as_ref(),
+            x,
+            rope_tbl,
+            pos0,
+            rows,
+            &mut kv,
+        ) {
             Ok(out) => {
                 for (li, lkv) in kv.chunks_exact(2 * n * kvw).enumerate() {
                     let (kk, vv) = lkv.split_at(n * kvw);
@@ -649,27 +682,7 @@ impl<'m> LlamaModel<'m> {
                 let e = experts.len();
                 let mut logits = vec![0.0f32; n * e];
                 router.apply(k, x, n, &mut logits)?;
-                // Per token: softmax over experts, top-k, optional renormalisation.
-                let mut chosen: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
-                for t in 0..n {
-                    let row = &logits[t * e..(t + 1) * e];
-                    let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                    let exps: Vec<f32> = row.iter().map(|v| (v - max).exp()).collect();
-                    let sum: f32 = exps.iter().sum();
-                    let probs: Vec<f32> = exps.iter().map(|v| v / sum).collect();
-                    let mut order: Vec<usize> = (0..e).collect();
-                    // Descending probability; ties to the lower expert index.
-                    order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
-                    let top = &order[..*top_k];
-                    let denom: f32 = if *norm_topk_prob {
-                        top.iter().map(|&i| probs[i]).sum()
-                    } else {
-                        1.0
-                    };
-                    for &i in top {
-                        chosen[i].push((t, probs[i] / denom));
-                    }
-                }
+                let chosen = choose_experts(&logits, e, *top_k, *norm_topk_prob);
                 out[..n * d].fill(0.0);
                 // Experts in index order, each over its group of tokens at once
                 // (transformers adds them in the same order).
@@ -687,5 +700,114 @@ impl<'m> LlamaModel<'m> {
                 )
             }
         }
+    }
+}
+
+/// Per token (a row of `logits`, one per expert): softmax over the
+/// experts, the top k (ties to the lower index), and with `norm_topk_prob`
+/// their probabilities renormalised. Per expert, its tokens in order with
+/// their weights.
+fn choose_experts(
+    logits: &[f32],
+    e: usize,
+    top_k: usize,
+    norm_topk_prob: bool,
+) -> Vec<Vec<(usize, f32)>> {
+    let mut chosen: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
+    for (t, row) in logits.chunks_exact(e).enumerate() {
+        let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let exps: Vec<f32> = row.iter().map(|v| (v - max).exp()).collect();
+        let sum: f32 = exps.iter().sum();
+        let probs: Vec<f32> = exps.iter().map(|v| v / sum).collect();
+        let mut order: Vec<usize> = (0..e).collect();
+        // Descending probability; ties to the lower expert index.
+        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+        let top = &order[..top_k];
+        let denom: f32 = if norm_topk_prob {
+            top.iter().map(|&i| probs[i]).sum()
+        } else {
+            1.0
+        };
+        for &i in top {
+            chosen[i].push((t, probs[i] / denom));
+        }
+    }
+    chosen
+}
+
+/// An MoE model's routing in a forward on the GPU: the router's logits
+/// come back, and the experts are chosen as the CPU path chooses them
+/// (usage counted); the resident ones run on the GPU, the others here.
+#[cfg(feature = "cuda")]
+struct GpuRouting<'a, 'm> {
+    model: &'a LlamaModel<'m>,
+}
+
+#[cfg(feature = "cuda")]
+impl crate::gpu::MoeHost for GpuRouting<'_, '_> {
+    fn route(
+        &self,
+        layer: usize,
+        logits: &[f32],
+        n: usize,
+    ) -> Result<Vec<crate::gpu::RoutedExpert>, String> {
+        let Some(Mlp::Moe {
+            experts,
+            top_k,
+            norm_topk_prob,
+            ..
+        }) = self.model.layers.get(layer).map(|l| &l.mlp)
+        else {
+            return Err(format!("layer {layer} has no routed experts"));
+        };
+        if logits.len() != n * experts.len() {
+            return Err(format!(
+                "layer {layer}: {} router logits for {n} tokens of {} experts",
+                logits.len(),
+                experts.len()
+            ));
+        }
+        let k = &self.model.kernels;
+        let mut out = Vec::new();
+        for (e, tokens) in choose_experts(logits, experts.len(), *top_k, *norm_topk_prob)
+            .into_iter()
+            .enumerate()
+        {
+            if tokens.is_empty() {
+                continue;
+            }
+            self.model.usage.record(layer, e, tokens.len());
+            let [g, u, dn] = &experts[e];
+            let (g, u, dn) = (
+                g.matrix().map_err(|e| e.to_string())?,
+                u.matrix().map_err(|e| e.to_string())?,
+                dn.matrix().map_err(|e| e.to_string())?,
+            );
+            let mats = k.ffn_mats([&g, &u, &dn], tokens.len());
+            out.push(crate::gpu::RoutedExpert {
+                expert: e,
+                tokens,
+                mats,
+            });
+        }
+        Ok(out)
+    }
+
+    fn run_expert(
+        &self,
+        layer: usize,
+        expert: usize,
+        x: &[f32],
+        y: &mut [f32],
+    ) -> Result<(), String> {
+        let Some(Mlp::Moe { experts, .. }) = self.model.layers.get(layer).map(|l| &l.mlp) else {
+            return Err(format!("layer {layer} has no routed experts"));
+        };
+        let [g, u, dn] = experts
+            .get(expert)
+            .ok_or_else(|| format!("layer {layer} has no expert {expert}"))?;
+        let n = x.len() / self.model.d;
+        super::swiglu_products(&self.model.kernels, [g, u, dn], x, n, None, false, y)
+            .map_err(|e| e.to_string())
     }
 }

@@ -600,7 +600,7 @@ fn ffn_failed(e: &str) {
 
 /// [`swiglu`] product by product (each product still on the GPU where its
 /// matrix is resident).
-fn swiglu_products(
+pub(super) fn swiglu_products(
     k: &Kernels,
     [gate, up, down]: [&Mat; 3],
     x: &[f32],
