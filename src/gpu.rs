@@ -3397,7 +3397,7 @@ impl RowKv {
     }
 }
 
-/// Whether a dense model whose layers are all resident runs each forward
+/// Whether a Llama-family model whose layers are all resident runs each forward
 /// with every layer on the GPU ([`KvMirror::layers_forward`]); not with
 /// `BESPOKE_CUDA_LAYERS=off`, which keeps the block-by-block path (for
 /// measuring what the whole-layer path buys).
