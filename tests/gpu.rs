@@ -1171,15 +1171,17 @@ fn score_runs_with_some_experts_in_the_vram_tier() {
             );
         });
     }
-    // And with BESPOKE_CUDA_LAYERS=off block by block, the same tokens.
+    // And block by block with the GPU's attention and part of the experts
+    // (BESPOKE_CUDA_LAYERS=off).
     score_against_the_cpu(
-        "tiny-llama",
-        &["--vram", "4"],
+        "tiny-qwen3-moe",
+        &["--vram", "0.00058"],
         &[("BESPOKE_CUDA_LAYERS", "off")],
         |dev, err| {
             assert!(
-                err.contains("layers block by block (BESPOKE_CUDA_LAYERS=off)"),
-                "tiny-llama on the {dev}: {err}"
+                err.contains("4 of 8 routed experts")
+                    && err.contains("layers block by block (BESPOKE_CUDA_LAYERS=off)"),
+                "tiny-qwen3-moe on the {dev}: {err}"
             );
         },
     );
