@@ -249,6 +249,8 @@ mod imp {
         work: Vec<DevBuf<f32>>,
         /// An MoE layer's experts' outputs in such a step, one buffer each.
         expert_out: Vec<DevBuf<f32>>,
+        /// And its routing: the experts' tokens and weights.
+        routing: (DevBuf<i32>, DevBuf<f32>),
     }
 
     impl KvMirror {
@@ -321,6 +323,7 @@ mod imp {
                 kernel,
                 work: Vec::new(),
                 expert_out: Vec::new(),
+                routing: (DevBuf::empty(), DevBuf::empty()),
                 n_heads,
                 n_kv_heads,
                 head_dim,
@@ -816,8 +819,14 @@ mod imp {
                             rows = vec![0.0f32; n * d];
                             g.dtoh_into(hb, &mut rows)?;
                         }
-                        let idx = g.htod(&r.idx, "copying the routing")?;
-                        let wts = g.htod(&r.weights, "copying the routing")?;
+                        let (idx, wts) = &mut self.routing;
+                        if idx.len() < r.idx.len() {
+                            *idx = g.zeros::<i32>(r.idx.len())?;
+                            *wts = g.zeros::<f32>(r.idx.len())?;
+                        }
+                        g.htod_into(&r.idx, idx, 0)?;
+                        g.htod_into(&r.weights, wts, 0)?;
+                        let (idx, wts) = (&*idx, &*wts);
                         if ys.len() < r.experts.len() {
                             ys.resize_with(r.experts.len(), DevBuf::empty);
                         }
@@ -834,7 +843,7 @@ mod imp {
                             let input: &DevBuf<f32> = if c == n {
                                 hb
                             } else {
-                                g.gather(xe, hb, &idx, r.offs[i], c, d)?;
+                                g.gather(xe, hb, idx, r.offs[i], c, d)?;
                                 xe
                             };
                             g.product(eg, input, gd, c)?;
@@ -860,7 +869,7 @@ mod imp {
                         }
                         g.zero(od, n * d)?;
                         for (i, e) in r.experts.iter().enumerate() {
-                            g.scatter_add(od, &ys[i], &idx, &wts, r.offs[i], e.tokens.len(), d)?;
+                            g.scatter_add(od, &ys[i], idx, wts, r.offs[i], e.tokens.len(), d)?;
                         }
                     }
                 }
