@@ -1528,7 +1528,15 @@ impl<'m> Dsv4Model<'m> {
             }
         }
         let mut out = scratch::zeroed(n * d);
-        // Experts in index order, each over its tokens (transformers' order).
+        // Experts in index order, each over its tokens (transformers' order),
+        // then the shared expert (on the GPU queued with the routed ones).
+        let shared = m.shared.as_ref().map(|mats| super::SharedExpert {
+            mats,
+            limit: match self.numerics {
+                Numerics::Transformers => Some(self.swiglu_limit),
+                Numerics::DeepSeek => None,
+            },
+        });
         super::add_routed_experts(
             k,
             &chosen,
@@ -1540,29 +1548,9 @@ impl<'m> Dsv4Model<'m> {
             &m.experts,
             Some(self.swiglu_limit),
             self.aq(),
+            shared,
         )?;
-        if let Some(sh) = &m.shared {
-            let mut y = scratch::stale(n * d);
-            let limit = match self.numerics {
-                Numerics::Transformers => Some(self.swiglu_limit),
-                Numerics::DeepSeek => None,
-            };
-            self.swiglu(sh, x, n, limit, &mut y)?;
-            out.iter_mut().zip(y.iter()).for_each(|(o, v)| *o += v);
-        }
         Ok(out)
-    }
-
-    /// The SwiGLU of routed and shared experts, clamped at `limit`.
-    fn swiglu(
-        &self,
-        [gate, up, down]: &[Mat; 3],
-        x: &[f32],
-        n: usize,
-        limit: Option<f32>,
-        out: &mut [f32],
-    ) -> Result<(), EngineError> {
-        super::swiglu(&self.kernels, [gate, up, down], x, n, limit, self.aq(), out)
     }
 
     /// Whether activations are FP8-quantized before FP8 / FP4 products.

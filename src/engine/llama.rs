@@ -697,6 +697,7 @@ impl<'m> LlamaModel<'m> {
                     experts,
                     None,
                     false,
+                    None,
                 )
             }
         }

@@ -66,19 +66,28 @@ pub fn prefill_chunks(
     Ok(out)
 }
 
-/// The routed experts' part of an MoE block: `out` (n × d) gets, for every
+/// A shared expert for [`add_routed_experts`]: gate, up and down, and its
+/// SwiGLU clamp.
+pub struct SharedExpert<'a, 'm> {
+    pub mats: &'a [Mat<'m>; 3],
+    pub limit: Option<f32>,
+}
+
+/// The experts' part of an MoE block: `out` (n × d) gets, for every routed
 /// expert in index order that any token chose (`chosen[e]`: its tokens and
 /// their weights, in token order), the SwiGLU of `experts[e]` (gate, up,
 /// down; clamped at `limit`; activations FP8-quantized with `act_quant`)
 /// run once over its g tokens' rows of `x` at once, each row added back
-/// scaled by its weight (transformers adds the experts in the same order).
-/// Each expert's use is recorded in `usage` for layer `layer`.
+/// scaled by its weight (transformers adds the experts in the same order);
+/// then the `shared` expert's SwiGLU of all of `x`, added unweighted.
+/// Each routed expert's use is recorded in `usage` for layer `layer`.
 ///
-/// With a VRAM tier, the experts whose three matrices are all resident run
-/// whole on the GPU, queued together (`gpu::tier::ffn_start`: one
-/// upload and one copy back each, no wait between their products), while
-/// the others run on the CPU; a GPU failure sends its experts to the CPU
-/// (said once). Either way the outputs are added in expert order.
+/// With a VRAM tier, the experts whose three matrices are all resident (the
+/// shared one included) run whole on the GPU, queued together
+/// (`gpu::tier::ffn_start`: one upload and one copy back each, no wait
+/// between their products, one wait for all), while the others run on the
+/// CPU; a GPU failure sends its experts to the CPU (said once). Either way
+/// the outputs are added in the same order.
 #[allow(clippy::too_many_arguments)]
 pub fn add_routed_experts(
     k: &Kernels,
@@ -91,6 +100,7 @@ pub fn add_routed_experts(
     experts: &[[Mat; 3]],
     limit: Option<f32>,
     act_quant: bool,
+    shared: Option<SharedExpert>,
 ) -> Result<(), EngineError> {
     let gather = |group: &[(usize, f32)], xe: &mut Vec<f32>| {
         xe.clear();
@@ -108,6 +118,11 @@ pub fn add_routed_experts(
             }
         }
     };
+    let n = x.len() / d.max(1);
+    // The shared expert's output, added after the routed ones.
+    let add_shared = |y: &[f32], out: &mut [f32]| {
+        out[..n * d].iter_mut().zip(y).for_each(|(o, v)| *o += v);
+    };
     #[cfg(feature = "cuda")]
     if !act_quant && k.tier() != 0 {
         let active: Vec<usize> = (0..chosen.len())
@@ -124,7 +139,15 @@ pub fn add_routed_experts(
                 on_gpu[i] = true;
             }
         }
-        if !mats.is_empty() {
+        let shared_mats = match &shared {
+            Some(sh) => {
+                let [g, u, dn] = sh.mats;
+                let (g, u, dn) = (g.matrix()?, u.matrix()?, dn.matrix()?);
+                k.ffn_mats([&g, &u, &dn], n)
+            }
+            None => None,
+        };
+        if !mats.is_empty() || shared_mats.is_some() {
             for &e in &active {
                 usage.record(layer, e, chosen[e].len());
             }
@@ -138,7 +161,7 @@ pub fn add_routed_experts(
                     xe
                 })
                 .collect();
-            let jobs: Vec<crate::gpu::FfnJob> = mats
+            let mut jobs: Vec<crate::gpu::FfnJob> = mats
                 .into_iter()
                 .zip(&xs)
                 .zip(&gpu_experts)
@@ -149,6 +172,15 @@ pub fn add_routed_experts(
                     limit,
                 })
                 .collect();
+            let shared_on_gpu = shared_mats.is_some();
+            if let (Some(mats), Some(sh)) = (shared_mats, &shared) {
+                jobs.push(crate::gpu::FfnJob {
+                    mats,
+                    x,
+                    n,
+                    limit: sh.limit,
+                });
+            }
             let batch = crate::gpu::tier::ffn_start(&jobs);
             drop(jobs);
             // The other experts on the CPU meanwhile.
@@ -159,13 +191,28 @@ pub fn add_routed_experts(
                 ys[i] = vec![0.0; chosen[e].len() * d];
                 swiglu_products(k, [g, u, dn], x, chosen[e].len(), limit, false, &mut ys[i])
             };
+            let shared_cpu = |y: &mut Vec<f32>| -> Result<(), EngineError> {
+                if let Some(sh) = &shared {
+                    let [g, u, dn] = sh.mats;
+                    *y = vec![0.0; n * d];
+                    swiglu_products(k, [g, u, dn], x, n, sh.limit, false, y)?;
+                }
+                Ok(())
+            };
             let mut xe = Vec::new();
             for i in (0..active.len()).filter(|&i| !on_gpu[i]) {
                 gather(&chosen[active[i]], &mut xe);
                 cpu(i, &xe, &mut ys)?;
             }
+            let mut ysh = Vec::new();
+            if !shared_on_gpu {
+                shared_cpu(&mut ysh)?;
+            }
             match batch.and_then(|b| crate::gpu::tier::ffn_finish(k.tier(), b)) {
-                Ok(done) => {
+                Ok(mut done) => {
+                    if shared_on_gpu {
+                        ysh = done.pop().unwrap_or_default();
+                    }
                     for (&i, y) in gpu_experts.iter().zip(done) {
                         ys[i] = y;
                     }
@@ -175,10 +222,16 @@ pub fn add_routed_experts(
                     for (&i, x) in gpu_experts.iter().zip(&xs) {
                         cpu(i, x, &mut ys)?;
                     }
+                    if shared_on_gpu {
+                        shared_cpu(&mut ysh)?;
+                    }
                 }
             }
             for (i, &e) in active.iter().enumerate() {
                 add(&chosen[e], &ys[i], out);
+            }
+            if shared.is_some() {
+                add_shared(&ysh, out);
             }
             return Ok(());
         }
@@ -194,6 +247,12 @@ pub fn add_routed_experts(
         let [g, u, dn] = &experts[e];
         swiglu(k, [g, u, dn], &xe, group.len(), limit, act_quant, &mut ye)?;
         add(group, &ye, out);
+    }
+    if let Some(sh) = &shared {
+        let [g, u, dn] = sh.mats;
+        ye.resize(n * d, 0.0);
+        swiglu(k, [g, u, dn], x, n, sh.limit, act_quant, &mut ye)?;
+        add_shared(&ye, out);
     }
     Ok(())
 }
