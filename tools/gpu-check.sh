@@ -143,5 +143,22 @@ if [ -f "$bench_llama/model.safetensors" ] || python3 tools/make_bench_model.py 
 else
   echo -e "\n(no bench Llama: $(tail -1 "$out/make-bench.log"))" >> "$summary"
 fi
+
+# And a Qwen3-MoE of 1.4 GiB (4 layers of 32 experts, 4 chosen a token):
+# every expert resident, about half of them (the rest on the CPU, with every
+# layer still on the GPU), block by block, and the CPU.
+bench_moe=${BESPOKE_BENCH_MOE:-/tmp/bespoke-bench-moe}
+if [ -f "$bench_moe/model.safetensors" ] || python3 tools/make_bench_model.py --out "$bench_moe" \
+    --layers 4 --experts 32 --top-k 4 --moe-intermediate 768 > "$out/make-bench-moe.log" 2>&1; then
+  echo -e "\n## bespoke bench e2e: the bench Qwen3-MoE ($bench_moe)\n\n\`\`\`" >> "$summary"
+  e2e "$bench_moe" gpu --prompt-len 128 --gen 32
+  echo "(--vram 0.8: part of the experts)" >> "$summary"
+  $bin bench e2e --model "$bench_moe" --vram 0.8 --prompt-len 128 --gen 32 > "$out/e2e-moe-part.log" 2>&1 || fail=1
+  grep -E "^threads|VRAM tier|failed" "$out/e2e-moe-part.log" >> "$summary"
+  for mode in blocks cpu; do e2e "$bench_moe" $mode --prompt-len 128 --gen 32; done
+  echo '```' >> "$summary"
+else
+  echo -e "\n(no bench Qwen3-MoE: $(tail -1 "$out/make-bench-moe.log"))" >> "$summary"
+fi
 cat "$summary"
 exit $fail

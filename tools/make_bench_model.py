@@ -5,6 +5,10 @@ the output is large and is written where you say (default /tmp/bespoke-bench-lla
 
     python3 tools/make_bench_model.py [--out DIR] [--hidden 2048] [--layers 8] ...
 
+With --experts E it writes a Qwen3-MoE checkpoint instead (E routed experts
+a layer of --moe-intermediate columns, --top-k chosen per token, Qwen3's q/k
+norms): the shape of model the VRAM tier splits between the GPU and the CPU.
+
 Needs only numpy. The weights are random BF16 (values ~N(0, 0.02)), so the
 text is gibberish; the speed is what counts."""
 import argparse
@@ -28,6 +32,9 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--experts", type=int, default=0, help="routed experts a layer (0: a dense Llama)")
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--moe-intermediate", type=int, default=768)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     d, i, hd = a.hidden, a.intermediate, a.hidden // a.heads
@@ -38,6 +45,12 @@ def main():
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
     }
+    if a.experts > 0:
+        cfg.update({
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": a.experts,
+            "num_experts_per_tok": a.top_k, "moe_intermediate_size": a.moe_intermediate,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        })
     with open(os.path.join(a.out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     shapes = [("model.embed_tokens.weight", [a.vocab, d])]
@@ -47,8 +60,18 @@ def main():
             (f"{p}.input_layernorm.weight", [d]), (f"{p}.post_attention_layernorm.weight", [d]),
             (f"{p}.self_attn.q_proj.weight", [a.heads * hd, d]), (f"{p}.self_attn.k_proj.weight", [a.kv_heads * hd, d]),
             (f"{p}.self_attn.v_proj.weight", [a.kv_heads * hd, d]), (f"{p}.self_attn.o_proj.weight", [d, a.heads * hd]),
-            (f"{p}.mlp.gate_proj.weight", [i, d]), (f"{p}.mlp.up_proj.weight", [i, d]), (f"{p}.mlp.down_proj.weight", [d, i]),
         ]
+        if a.experts > 0:
+            m = a.moe_intermediate
+            shapes += [(f"{p}.self_attn.q_norm.weight", [hd]), (f"{p}.self_attn.k_norm.weight", [hd]),
+                       (f"{p}.mlp.gate.weight", [a.experts, d])]
+            for e in range(a.experts):
+                x = f"{p}.mlp.experts.{e}"
+                shapes += [(f"{x}.gate_proj.weight", [m, d]), (f"{x}.up_proj.weight", [m, d]),
+                           (f"{x}.down_proj.weight", [d, m])]
+        else:
+            shapes += [(f"{p}.mlp.gate_proj.weight", [i, d]), (f"{p}.mlp.up_proj.weight", [i, d]),
+                       (f"{p}.mlp.down_proj.weight", [d, i])]
     shapes += [("model.norm.weight", [d]), ("lm_head.weight", [a.vocab, d])]
     header, offset = {}, 0
     for name, shape in shapes:
