@@ -721,11 +721,13 @@ mod imp {
             ];
             // The step's buffers: the last step's where they are long
             // enough (each is written before it is read, and every launch
-            // below is given its length, not the buffer's).
+            // below is given its length, not the buffer's) and not much
+            // longer (a prefill's, all logits kept, would hold n × vocab
+            // floats through every decode step after it).
             let mut work = std::mem::take(&mut self.work);
             work.resize_with(sizes.len(), DevBuf::empty);
             for (b, &len) in work.iter_mut().zip(&sizes) {
-                if b.len() < len {
+                if b.len() < len || b.len() > len.saturating_mul(4).max(1 << 20) {
                     *b = g.zeros::<f32>(len)?;
                 }
             }
@@ -832,7 +834,9 @@ mod imp {
                         }
                         for (i, e) in r.experts.iter().enumerate() {
                             let c = e.tokens.len();
-                            if ys[i].len() < c * d {
+                            // (Not kept much longer than needed either:
+                            // a prefill's would stay through decode.)
+                            if ys[i].len() < c * d || ys[i].len() > (4 * c * d).max(1 << 16) {
                                 ys[i] = g.zeros::<f32>(c * d)?;
                             }
                             let Some([eg, eu, edn]) = &e.mats else {
