@@ -18,7 +18,10 @@ use std::process::ExitCode;
                   dispatches to the best one the CPU supports.\n\n\
                   Environment: BESPOKE_KERNELS=scalar|avx2|avx512|neon|neon_base forces a variant; \
                   BESPOKE_SPECIALISED=off runs every matrix on the generic kernels (same numbers; \
-                  `bench e2e --vs-generic` times both); BESPOKE_THREADS=N sets the thread count."
+                  `bench e2e --vs-generic` times both); BESPOKE_THREADS=N sets the thread count; \
+                  in a `cuda` build, BESPOKE_CUDA=off stays on the CPU and BESPOKE_CUDA=emu runs the \
+                  CUDA kernels on the CPU emulator, and BESPOKE_CUDA_LAYERS=off runs a Llama-family \
+                  model's forwards on the GPU block by block rather than with every layer there."
 )]
 struct Cli {
     #[command(subcommand)]
