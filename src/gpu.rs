@@ -588,7 +588,7 @@ mod imp {
     impl KvMirror {
         /// One forward of a Llama-family model (Llama, Qwen2, Qwen3,
         /// Qwen3-MoE) with every layer on the GPU: `x` the tokens'
-        /// embeddings [n][d], uploaded once, `rope` each token's rotary
+        /// embeddings `[n][d]`, uploaded once, `rope` each token's rotary
         /// table (rows of head_dim floats: cos then sin of rope_dim / 2
         /// frequencies, as `Rope::table` makes them), positions pos0 ..
         /// pos0 + n − 1. Per layer, on the device: RMSNorm, q/k/v, biases,
@@ -603,9 +603,9 @@ mod imp {
         /// every expert's output is added, weighted, in the routing's order
         /// (`bs_cu_scatter_add`, as the CPU adds). Then the final RMSNorm of
         /// the last `out_rows` rows and, with a resident `head`, the
-        /// logits: Ok(logits [out_rows][vocab]), or without a head the
-        /// normalised rows [out_rows][d] (the caller applies its head), with
-        /// `kv` [layers][k, v][n][kv_heads × head_dim] the new keys and
+        /// logits: Ok(logits `[out_rows][vocab]`), or without a head the
+        /// normalised rows `[out_rows][d]` (the caller applies its head), with
+        /// `kv` `[layers][k, v][n][kv_heads × head_dim]` the new keys and
         /// values for the CPU's copy of the cache. The products are the
         /// CUDA-core kernels of the per-product path; RoPE, biases,
         /// residuals and the experts' weighted sums are the CPU's bit for
@@ -3411,7 +3411,7 @@ impl RowKv {
 }
 
 /// Whether a Llama-family model whose layers are all resident runs each forward
-/// with every layer on the GPU ([`KvMirror::layers_forward`]); not with
+/// with every layer on the GPU (`KvMirror::layers_forward`); not with
 /// `BESPOKE_CUDA_LAYERS=off`, which keeps the block-by-block path (for
 /// measuring what the whole-layer path buys).
 pub fn whole_layers_enabled() -> bool {
