@@ -393,33 +393,46 @@ mod imp {
             let step = GPU_QUERIES * hw;
             for (g, (qg, og)) in q.chunks(step).zip(out.chunks_mut(step)).enumerate() {
                 self.g.htod_into(qg, &mut self.q, 0)?;
-                let geo = AttnGeo {
-                    n_heads: self.n_heads,
-                    n_kv_heads: self.n_kv_heads,
-                    head_dim: self.head_dim,
-                    kv_stride: self.n_kv_heads * self.head_dim,
-                    t_len: t_len + g * GPU_QUERIES,
-                    window: 0,
-                    scale,
-                    n_q: Some(qg.len() / hw),
-                };
-                // Checked: q and out hold GPU_QUERIES ≥ n_q rows of n_heads ×
-                // head_dim, k and v capacity ≥ t_len + n - 1 rows of kv_stride,
-                // scratch GPU_QUERIES × n_heads × capacity, every size below 2^31
-                // (new).
-                self.g.attn_launch(
-                    &self.kernel,
-                    &self.q,
-                    &self.k[layer],
-                    &self.v[layer],
-                    None,
-                    &mut self.out,
-                    &mut self.scratch,
-                    geo,
-                )?;
+                self.causal(layer, t_len + g * GPU_QUERIES, qg.len() / hw, scale)?;
                 self.g.dtoh_into(&self.out, og)?;
             }
             Ok(())
+        }
+
+        /// Causal attention of the `n_q` (≤ GPU_QUERIES) queries in `self.q`
+        /// of layer `layer`, query j over positions 0 .. t_len + j − 1, into
+        /// `self.out`. The callers check that t_len + n_q − 1 ≤ capacity.
+        fn causal(
+            &mut self,
+            layer: usize,
+            t_len: usize,
+            n_q: usize,
+            scale: f32,
+        ) -> Result<(), String> {
+            let geo = AttnGeo {
+                n_heads: self.n_heads,
+                n_kv_heads: self.n_kv_heads,
+                head_dim: self.head_dim,
+                kv_stride: self.n_kv_heads * self.head_dim,
+                t_len,
+                window: 0,
+                scale,
+                n_q: Some(n_q),
+            };
+            // Checked: q and out hold GPU_QUERIES ≥ n_q rows of n_heads ×
+            // head_dim, k and v capacity ≥ t_len + n_q − 1 rows of kv_stride
+            // (the callers), scratch GPU_QUERIES × n_heads × capacity, every
+            // size below 2^31 (new).
+            self.g.attn_launch(
+                &self.kernel,
+                &self.q,
+                &self.k[layer],
+                &self.v[layer],
+                None,
+                &mut self.out,
+                &mut self.scratch,
+                geo,
+            )
         }
     }
 
@@ -767,31 +780,8 @@ mod imp {
                 for c0 in (0..n).step_by(GPU_QUERIES) {
                     let c = GPU_QUERIES.min(n - c0);
                     g.dtod(qd, c0 * hw, &mut self.q, 0, c * hw)?;
-                    let geo = AttnGeo {
-                        n_heads: h,
-                        n_kv_heads: kvh,
-                        head_dim: hd,
-                        kv_stride: kvw,
-                        t_len: pos0 + c0 + 1,
-                        window: 0,
-                        scale: geo.scale,
-                        n_q: Some(c),
-                    };
-                    // Checked: q and out hold GPU_QUERIES ≥ c rows of n_heads
-                    // × head_dim, k and v (this layer's) capacity ≥ pos0 + n
-                    // rows of kv_stride, written up to pos0 + n − 1 above,
-                    // scratch GPU_QUERIES × n_heads × capacity (new), every
-                    // size below 2^31 (new).
-                    g.attn_launch(
-                        &self.kernel,
-                        &self.q,
-                        &self.k[li],
-                        &self.v[li],
-                        None,
-                        &mut self.out,
-                        &mut self.scratch,
-                        geo,
-                    )?;
+                    // Positions up to pos0 + n − 1 written above.
+                    self.causal(li, pos0 + c0 + 1, c, geo.scale)?;
                     g.dtod(&self.out, 0, att, c0 * hw, c * hw)?;
                 }
                 g.product(mo, att, od, n)?;
