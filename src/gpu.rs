@@ -201,6 +201,49 @@ mod imp {
         }
     }
 
+    /// The emulator's fault injection, `BESPOKE_CUDA_EMU_FAIL=KERNEL[:N[+]]`
+    /// (a test hook: the emulator only, never a GPU): the Nth launch
+    /// (default the first) of a kernel whose name starts with KERNEL (`*`:
+    /// any kernel) fails, as a launch on a faulting GPU would, and with `+`
+    /// every matching launch from the Nth on (a device that went away).
+    /// tests/gpu.rs uses it to check that each GPU path falls back to the
+    /// CPU with nothing lost or counted twice.
+    fn emu_fault(kernel: &str) -> Result<(), String> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        /// (prefix, N, from N on), or what is wrong with the setting.
+        type Spec = Result<(String, u64, bool), String>;
+        static SPEC: OnceLock<Option<Spec>> = OnceLock::new();
+        static SEEN: AtomicU64 = AtomicU64::new(0);
+        let spec = SPEC.get_or_init(|| {
+            let v = std::env::var("BESPOKE_CUDA_EMU_FAIL").ok()?;
+            let (name, at) = v.split_once(':').unwrap_or((&v, "1"));
+            let (at, on) = at.strip_suffix('+').map_or((at, false), |a| (a, true));
+            let name = if name == "*" { "" } else { name };
+            Some(match at.parse::<u64>() {
+                Ok(n) if n >= 1 => Ok((name.to_string(), n, on)),
+                _ => Err(format!(
+                    "BESPOKE_CUDA_EMU_FAIL={v}: expected KERNEL, KERNEL:N or KERNEL:N+ \
+                     (N a launch count from 1; KERNEL a kernel name's start, or *)"
+                )),
+            })
+        });
+        match spec {
+            None => Ok(()),
+            Some(Err(e)) => Err(e.clone()),
+            Some(Ok((name, at, on))) if kernel.starts_with(name.as_str()) => {
+                let seen = SEEN.fetch_add(1, Ordering::Relaxed) + 1;
+                if seen == *at || (*on && seen > *at) {
+                    Err(format!(
+                        "{kernel}: injected failure of launch {seen} (BESPOKE_CUDA_EMU_FAIL)"
+                    ))
+                } else {
+                    Ok(())
+                }
+            }
+            Some(Ok(_)) => Ok(()),
+        }
+    }
+
     /// Where the kernels run.
     enum Dev {
         Cuda {
@@ -1583,6 +1626,7 @@ mod imp {
                         .map_err(derr(&format!("launching {kernel}")))
                 }
                 Dev::Emu => {
+                    emu_fault(kernel)?;
                     // Each argument's value in a slot of its own (pointers,
                     // and 32-bit scalars in the slot's low bytes: x86-64 and
                     // aarch64 are little-endian), and a pointer to each slot:

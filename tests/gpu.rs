@@ -1187,6 +1187,142 @@ fn score_runs_with_some_experts_in_the_vram_tier() {
     );
 }
 
+/// A GPU that fails mid-way: the emulator's fault injection
+/// (`BESPOKE_CUDA_EMU_FAIL=KERNEL[:N[+]]`) fails a launch as a faulting GPU
+/// would, and each path says so once and runs that work on the CPU: the
+/// CPU's greedy choices and logits within 1e-3, as without a failure. (On a
+/// GPU the setting does nothing, and only the results are checked.)
+#[test]
+fn gpu_failures_fall_back_to_the_cpu() {
+    let vram = ["--vram", "4"];
+    let blocks = ("BESPOKE_CUDA_LAYERS", "off");
+    for (name, fail, layers, said) in [
+        // In layer 1 of a forward with every layer on the GPU (its in_norm:
+        // layer 0 made 4 norms), after layer 0 routed its tokens.
+        (
+            "tiny-qwen3-moe",
+            "bs_cu_rmsnorm:5",
+            true,
+            "a forward on the GPU failed",
+        ),
+        (
+            "tiny-llama",
+            "bs_cu_attn:1",
+            false,
+            "attention on the GPU failed",
+        ),
+        (
+            "tiny-llama",
+            "bs_cu_m:1",
+            false,
+            "a list of products on the GPU failed",
+        ),
+        ("tiny-llama", "bs_cu_m:4", false, "a GPU product failed"),
+        (
+            "tiny-dsv4",
+            "bs_cu_swiglu:2",
+            false,
+            "a SwiGLU block on the GPU failed",
+        ),
+        (
+            "tiny-dsv4",
+            "bs_cu_attn_rows:3",
+            false,
+            "attention on the GPU failed",
+        ),
+        // The device gone for good after 40 launches: everything after
+        // fails, and everything runs on the CPU.
+        (
+            "tiny-qwen3-moe",
+            "*:40+",
+            true,
+            "a forward on the GPU failed",
+        ),
+        ("tiny-dsv4", "*:40+", false, "failed"),
+    ] {
+        let mut env = vec![("BESPOKE_CUDA_EMU_FAIL", fail)];
+        if !layers {
+            env.push(blocks);
+        }
+        score_against_the_cpu(name, &vram, &env, |dev, err| {
+            if dev == "emulator" {
+                assert!(
+                    err.contains(said)
+                        && err.contains("injected failure")
+                        && err.contains("(BESPOKE_CUDA_EMU_FAIL)"),
+                    "{name} with {fail}: {err}"
+                );
+            }
+        });
+    }
+    // A setting that makes no sense is named in the failure it causes.
+    score_against_the_cpu(
+        "tiny-llama",
+        &vram,
+        &[("BESPOKE_CUDA_EMU_FAIL", "bs_cu_m:0")],
+        |dev, err| {
+            if dev == "emulator" {
+                assert!(
+                    err.contains("BESPOKE_CUDA_EMU_FAIL=bs_cu_m:0: expected KERNEL"),
+                    "{err}"
+                );
+            }
+        },
+    );
+}
+
+/// A forward with every layer on the GPU that fails after its MoE layers
+/// routed their tokens is run again on the CPU, and its experts' usage
+/// counts once, not twice.
+#[test]
+fn a_failed_gpu_forward_counts_expert_usage_once() {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-qwen3-moe");
+    let dir = std::env::temp_dir().join(format!("bespoke-gpu-usage-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(&src).unwrap().flatten() {
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+        }
+    }
+    let out = common::bespoke_command()
+        .args([
+            "run",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            "1,2,3,4",
+        ])
+        .args(["--max-new-tokens", "3", "--vram", "4"])
+        .envs([
+            ("BESPOKE_CUDA", "emu"),
+            ("BESPOKE_CUDA_EMU_FAIL", "bs_cu_rmsnorm:5"),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("each forward with every layer on the GPU")
+            && err.contains("a forward on the GPU failed")
+            && err.contains("injected failure"),
+        "{err}"
+    );
+    let v: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join(".bespoke/expert-usage.json")).unwrap(),
+    )
+    .unwrap();
+    let counts: Vec<Vec<u64>> = serde_json::from_value(v["counts"].clone()).unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let top_k = cfg["num_experts_per_tok"].as_u64().unwrap();
+    // 6 forwarded tokens (the 4 of the prompt, then 2 decode steps).
+    for l in counts.iter().filter(|l| !l.is_empty()) {
+        assert_eq!(l.iter().sum::<u64>(), 6 * top_k, "{counts:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `score --json --logits last` output: (argmax per position, last logits).
 fn last_logits(out: &str) -> (Vec<serde_json::Value>, Vec<f64>) {
     let v: serde_json::Value = serde_json::from_str(out).unwrap();

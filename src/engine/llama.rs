@@ -628,7 +628,10 @@ impl<'m> LlamaModel<'m> {
         );
         let mut kv = vec![0.0f32; layers * 2 * n * kvw];
         let pos0 = cache.len;
-        let host = GpuRouting { model: self };
+        let host = GpuRouting {
+            model: self,
+            counted: Default::default(),
+        };
         match mirror.layers_forward(
             vecs,
             &mats,
@@ -641,6 +644,11 @@ impl<'m> LlamaModel<'m> {
             &mut kv,
         ) {
             Ok(out) => {
+                // The experts' usage counts once the forward has run whole:
+                // a failed one is run again on the CPU, which counts it.
+                for (layer, e, tokens) in host.counted.into_inner().unwrap_or_default() {
+                    self.usage.record(layer, e, tokens);
+                }
                 for (li, lkv) in kv.chunks_exact(2 * n * kvw).enumerate() {
                     let (kk, vv) = lkv.split_at(n * kvw);
                     cache.store(li, pos0, kk, vv, hd);
@@ -738,10 +746,13 @@ fn choose_experts(
 
 /// An MoE model's routing in a forward on the GPU: the router's logits
 /// come back, and the experts are chosen as the CPU path chooses them
-/// (usage counted); the resident ones run on the GPU, the others here.
+/// (usage noted, and counted when the forward succeeds); the resident ones
+/// run on the GPU, the others here.
 #[cfg(feature = "cuda")]
 struct GpuRouting<'a, 'm> {
     model: &'a LlamaModel<'m>,
+    /// (layer, expert, tokens) routed so far in this forward.
+    counted: std::sync::Mutex<Vec<(usize, usize, usize)>>,
 }
 
 #[cfg(feature = "cuda")]
@@ -777,7 +788,9 @@ impl crate::gpu::MoeHost for GpuRouting<'_, '_> {
             if tokens.is_empty() {
                 continue;
             }
-            self.model.usage.record(layer, e, tokens.len());
+            if let Ok(mut c) = self.counted.lock() {
+                c.push((layer, e, tokens.len()));
+            }
             let [g, u, dn] = &experts[e];
             let (g, u, dn) = (
                 g.matrix().map_err(|e| e.to_string())?,
