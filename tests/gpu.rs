@@ -1062,16 +1062,27 @@ fn score_against_the_cpu(
     env: &[(&str, &str)],
     check: impl Fn(&str, &str),
 ) {
+    score_prompt_against_the_cpu(name, 0, flags, env, check)
+}
+
+/// As `score_against_the_cpu`, of the fixture's reference prompt `prompt`.
+fn score_prompt_against_the_cpu(
+    name: &str,
+    prompt: usize,
+    flags: &[&str],
+    env: &[(&str, &str)],
+    check: impl Fn(&str, &str),
+) {
     let mut envs: Vec<(&str, Vec<(&str, &str)>)> =
         vec![("emulator", [&[("BESPOKE_CUDA", "emu")], env].concat())];
     if gpu_or_reason().is_some() {
         envs.push(("GPU", env.to_vec()));
     }
-    let (ok, cpu, err) = score_last(name, &[], &[("BESPOKE_CUDA", "off")]);
+    let (ok, cpu, err) = score_prompt(name, prompt, &[], &[("BESPOKE_CUDA", "off")]);
     assert!(ok, "{name} on the CPU: {err}");
     let cpu = last_logits(&cpu);
     for (dev, env) in &envs {
-        let (ok, out, err) = score_last(name, flags, env);
+        let (ok, out, err) = score_prompt(name, prompt, flags, env);
         assert!(ok, "{name} on the {dev}: {err}");
         check(dev, &err);
         let (am, l) = last_logits(&out);
@@ -1255,6 +1266,22 @@ fn gpu_failures_fall_back_to_the_cpu() {
             }
         });
     }
+    // DeepSeek V4's lightning indexer, on a prompt long enough (82 tokens)
+    // for its CSA layers' queries to choose among their entries.
+    score_prompt_against_the_cpu(
+        "tiny-dsv4",
+        2,
+        &vram,
+        &[("BESPOKE_CUDA_EMU_FAIL", "bs_cu_index_scores:2")],
+        |dev, err| {
+            if dev == "emulator" {
+                assert!(
+                    err.contains("attention on the GPU failed (bs_cu_index_scores: injected"),
+                    "{err}"
+                );
+            }
+        },
+    );
     // A setting that makes no sense is named in the failure it causes.
     score_against_the_cpu(
         "tiny-llama",
@@ -1338,8 +1365,18 @@ fn last_logits(out: &str) -> (Vec<serde_json::Value>, Vec<f64>) {
 /// `score --json --logits last` of a fixture's first reference prompt with
 /// `extra` flags and environment: (ok, stdout, stderr).
 fn score_last(model: &str, extra: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
+    score_prompt(model, 0, extra, env)
+}
+
+/// As `score_last`, of the fixture's reference prompt `prompt`.
+fn score_prompt(
+    model: &str,
+    prompt: usize,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (bool, String, String) {
     let (_, r) = common::fixture(model);
-    let ids: Vec<String> = r["prompts"][0]["ids"]
+    let ids: Vec<String> = r["prompts"][prompt]["ids"]
         .as_array()
         .unwrap()
         .iter()
