@@ -539,6 +539,9 @@ pub fn run(a: RunArgs) -> Result<(), String> {
         g.stop_reason,
         rayon::current_num_threads()
     );
+    if let Some(line) = crate::gpu::work_line(eng.kernels().tier()) {
+        eprintln!("{line}");
+    }
     save_usage(&m, &eng);
     Ok(())
 }
@@ -599,6 +602,9 @@ pub fn score(a: ScoreArgs) -> Result<(), String> {
             true,
         )
         .map_err(|e| e.to_string())?;
+    if let Some(line) = crate::gpu::work_line(eng.kernels().tier()) {
+        eprintln!("{line}");
+    }
     let vocab = eng.vocab();
     let am: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();
     let last = &logits[logits.len() - vocab..];

@@ -538,9 +538,27 @@ mod imp {
         }
     }
 
-    /// A resident matrix for a product on the device, with whether the
-    /// build specialised a kernel for its shape.
-    pub type DevProduct = (Arc<DevMat>, bool);
+    /// A resident matrix for a product on the device: its device copy,
+    /// whether the build specialised a CUDA-core kernel for its shape, and
+    /// the activations the CPU would give the product ([`GpuAct`]), which
+    /// pick the kernel (`Gpu::product`).
+    #[derive(Clone)]
+    pub struct DevProduct {
+        pub mat: Arc<DevMat>,
+        pub specialised: bool,
+        pub act: GpuAct,
+    }
+
+    impl DevProduct {
+        /// A product with f32 activations.
+        pub fn f32(mat: Arc<DevMat>, specialised: bool) -> DevProduct {
+            DevProduct {
+                mat,
+                specialised,
+                act: GpuAct::F32,
+            }
+        }
+    }
 
     /// One layer's resident matrices for [`KvMirror::layers_forward`].
     pub struct LayerMats {
@@ -619,7 +637,8 @@ mod imp {
                     r.tokens.iter().map(|t| t.0).collect::<Vec<_>>()
                 ));
             }
-            if let Some([(g, _), (u, _), (dn, _)]) = &r.mats {
+            if let Some([g, u, dn]) = &r.mats {
+                let (g, u, dn) = (&g.mat, &u.mat, &dn.mat);
                 let i = g.rows;
                 if i > inter || (g.cols, u.rows, u.cols, dn.rows, dn.cols) != (d, i, d, d, i) {
                     return Err(format!(
@@ -717,19 +736,19 @@ mod imp {
             for (li, m) in mats.iter().enumerate() {
                 let want = [(hw, d), (kvw, d), (kvw, d), (d, hw)];
                 let got: Vec<(usize, usize)> =
-                    m.attn.iter().map(|(m, _)| (m.rows, m.cols)).collect();
+                    m.attn.iter().map(|p| (p.mat.rows, p.mat.cols)).collect();
                 let ffn = match &m.ffn {
                     LayerFfn::Dense(f) => {
-                        let i = f[0].0.rows;
+                        let i = f[0].mat.rows;
                         inter = inter.max(i);
                         let fg: Vec<(usize, usize)> =
-                            f.iter().map(|(m, _)| (m.rows, m.cols)).collect();
+                            f.iter().map(|p| (p.mat.rows, p.mat.cols)).collect();
                         fg == [(i, d), (i, d), (d, i)]
                     }
                     LayerFfn::Moe { router, inter: i } => {
                         inter = inter.max(*i);
-                        experts_out = experts_out.max(router.0.rows);
-                        router.0.cols == d && moe.is_some()
+                        experts_out = experts_out.max(router.mat.rows);
+                        router.mat.cols == d && moe.is_some()
                     }
                 };
                 if got != want || !ffn {
@@ -740,15 +759,15 @@ mod imp {
                     ));
                 }
             }
-            if let Some((m, _)) = head {
-                if m.cols != d {
+            if let Some(p) = head {
+                if p.mat.cols != d {
                     return Err(format!(
                         "a forward on the GPU: a head of {} columns for width {d}",
-                        m.cols
+                        p.mat.cols
                     ));
                 }
             }
-            let vocab = head.map_or(0, |(m, _)| m.rows);
+            let vocab = head.map_or(0, |p| p.mat.rows);
             let widest = [d, hw, inter, vocab, experts_out]
                 .into_iter()
                 .max()
@@ -837,13 +856,13 @@ mod imp {
                     LayerFfn::Dense([mg, mu, mdn]) => {
                         g.product(mg, hb, gd, n)?;
                         g.product(mu, hb, ud, n)?;
-                        g.swiglu_launch(gd, ud, n * mg.0.rows, None)?;
+                        g.swiglu_launch(gd, ud, n * mg.mat.rows, None)?;
                         g.product(mdn, gd, od, n)?;
                     }
                     LayerFfn::Moe { router, inter } => {
                         let host = moe.ok_or("an MoE layer and no router host")?;
                         g.product(router, hb, rl, n)?;
-                        let mut scores = vec![0.0f32; n * router.0.rows];
+                        let mut scores = vec![0.0f32; n * router.mat.rows];
                         g.dtoh_into(rl, &mut scores)?;
                         let r = check_routing(host.route(li, &scores, n)?, n, d, *inter)?;
                         // The normalised rows, for the experts the CPU runs
@@ -885,7 +904,7 @@ mod imp {
                             };
                             g.product(eg, input, gd, c)?;
                             g.product(eu, input, ud, c)?;
-                            g.swiglu_launch(gd, ud, c * eg.0.rows, None)?;
+                            g.swiglu_launch(gd, ud, c * eg.mat.rows, None)?;
                             g.product(edn, gd, &mut ys[i], c)?;
                             gpu_experts += 1;
                         }
@@ -1518,7 +1537,7 @@ mod imp {
     /// build has a kernel specialised for its shape; they run on the
     /// CUDA-core kernels (f32 activations).
     pub struct FfnJob<'a> {
-        pub mats: [(Arc<DevMat>, bool); 3],
+        pub mats: [DevProduct; 3],
         pub x: &'a [f32],
         pub n: usize,
         pub limit: Option<f32>,
@@ -1763,7 +1782,8 @@ mod imp {
                 _work: Vec::with_capacity(3 * jobs.len()),
             };
             for j in jobs {
-                let [(g, gs), (u, us), (dn, ds)] = &j.mats;
+                let [pg, pu, pd] = &j.mats;
+                let (g, u, dn) = (&pg.mat, &pu.mat, &pd.mat);
                 let (n, i) = (j.n, g.rows);
                 if u.rows != i
                     || u.cols != g.cols
@@ -1775,23 +1795,18 @@ mod imp {
                         g.rows, g.cols, u.rows, u.cols, dn.rows, dn.cols
                     ));
                 }
-                let kernel = |m: &DevMat, sp: bool| {
-                    super::core_kernel(m.format, n, sp.then_some((m.rows, m.cols)))
-                };
-                let (kg, ku, kd) = (kernel(g, *gs), kernel(u, *us), kernel(dn, *ds));
-                self.check_product(&kg, g, j.x.len(), n)?;
-                self.check_product(&ku, u, j.x.len(), n)?;
-                self.check_product(&kd, dn, n * i, n)?;
+                // Every product's kernel and shape checked before any runs.
+                for (p, xlen) in [(pg, j.x.len()), (pu, j.x.len()), (pd, n * i)] {
+                    self.check_product(&self.product_kernel(p, n)?, &p.mat, xlen, n)?;
+                }
                 let xd = self.htod(j.x, "copying activations")?;
                 let mut gd = self.zeros::<f32>(n * i)?;
                 let mut ud = self.zeros::<f32>(n * i)?;
                 let mut y = self.zeros::<f32>(n * dn.rows)?;
-                // Checked: x holds n × cols of gate and up, gd and ud n × i,
-                // which down takes as its n × cols, and y n × down's rows.
-                self.launch(&kg, g, &xd, &mut gd, n)?;
-                self.launch(&ku, u, &xd, &mut ud, n)?;
+                self.product(pg, &xd, &mut gd, n)?;
+                self.product(pu, &xd, &mut ud, n)?;
                 self.swiglu_launch(&mut gd, &ud, n * i, j.limit)?;
-                self.launch(&kd, dn, &gd, &mut y, n)?;
+                self.product(pd, &gd, &mut y, n)?;
                 batch.outs.push(y);
                 batch._work.extend([xd, gd, ud]);
             }
@@ -1807,13 +1822,12 @@ mod imp {
 
         /// Products of resident matrices, queued: `xs` holds one X (`n`
         /// tokens, `x[n][cols]`) that every matrix takes, uploaded once, or
-        /// one X per matrix; each runs its CUDA-core kernel (its
-        /// specialisation where the flag says the build has one), and
+        /// one X per matrix; each runs its kernel (`Gpu::product`), and
         /// nothing comes back until [`Gpu::ffn_finish`]. Err: another count
         /// of X, an X that does not fit its matrix, or a failed launch.
         pub fn products_start(
             &self,
-            mats: &[(Arc<DevMat>, bool)],
+            mats: &[DevProduct],
             xs: &[&[f32]],
             n: usize,
         ) -> Result<FfnBatch, String> {
@@ -1825,12 +1839,8 @@ mod imp {
                 ));
             }
             let x_of = |i: usize| if xs.len() == 1 { 0 } else { i };
-            let kernels: Vec<String> = mats
-                .iter()
-                .map(|(m, sp)| super::core_kernel(m.format, n, sp.then_some((m.rows, m.cols))))
-                .collect();
-            for (i, ((m, _), k)) in mats.iter().zip(&kernels).enumerate() {
-                self.check_product(k, m, xs[x_of(i)].len(), n)?;
+            for (i, p) in mats.iter().enumerate() {
+                self.check_product(&self.product_kernel(p, n)?, &p.mat, xs[x_of(i)].len(), n)?;
             }
             let mut batch = FfnBatch {
                 outs: Vec::with_capacity(mats.len()),
@@ -1839,10 +1849,9 @@ mod imp {
             for x in xs {
                 batch._work.push(self.htod(x, "copying activations")?);
             }
-            for (i, ((m, _), k)) in mats.iter().zip(&kernels).enumerate() {
-                let mut y = self.zeros::<f32>(n * m.rows)?;
-                // Checked: each X holds n × cols of its matrix, y n × rows.
-                self.launch(k, m, &batch._work[x_of(i)], &mut y, n)?;
+            for (i, p) in mats.iter().enumerate() {
+                let mut y = self.zeros::<f32>(n * p.mat.rows)?;
+                self.product(p, &batch._work[x_of(i)], &mut y, n)?;
                 batch.outs.push(y);
             }
             Ok(batch)
@@ -1905,16 +1914,42 @@ mod imp {
             })
         }
 
-        /// y = m · x for `n` tokens on the device, with the product's
-        /// CUDA-core kernel (specialised where the flag says so).
+        /// The kernel a product of `n` tokens runs: the tensor-core kernel
+        /// of its activations' numerics where this image has one
+        /// ([`tc_kernel`]), else its CUDA-core kernel (specialised where the
+        /// build has one). Err: int8 activations over columns that are not
+        /// whole blocks of 32 (the CPU refuses them too).
+        fn product_kernel(&self, p: &DevProduct, n: usize) -> Result<String, String> {
+            let m = &p.mat;
+            if let Some(k) = tc_kernel(m.format, n, m.cols, p.act, |k| self.has_tc(k)) {
+                return Ok(k);
+            }
+            if p.act == GpuAct::Q8 && m.cols % 32 != 0 {
+                return Err(format!(
+                    "{} {}×{}: int8 activations take whole blocks of 32 columns",
+                    m.format, m.rows, m.cols
+                ));
+            }
+            Ok(super::core_kernel(
+                m.format,
+                n,
+                p.specialised.then_some((m.rows, m.cols)),
+            ))
+        }
+
+        /// y = W · x for `n` tokens on the device with the product's kernel
+        /// ([`Gpu::product_kernel`]); a CUDA-core product of an activation
+        /// variant reads x as the CPU variant gives it, made on the device
+        /// into a buffer of its own (`bs_cu_round_bf16`, `bs_cu_round_q8`:
+        /// [`variant_activations`] bit for bit).
         fn product(
             &self,
-            (m, sp): &(Arc<DevMat>, bool),
+            p: &DevProduct,
             x: &DevBuf<f32>,
             y: &mut DevBuf<f32>,
             n: usize,
         ) -> Result<(), String> {
-            let k = super::core_kernel(m.format, n, sp.then_some((m.rows, m.cols)));
+            let (m, k) = (&p.mat, self.product_kernel(p, n)?);
             self.check_product(&k, m, n * m.cols, n)?;
             if x.len() < n * m.cols || y.len() < n * m.rows {
                 return Err(format!(
@@ -1927,7 +1962,56 @@ mod imp {
             }
             // Checked: x holds n × cols, y n × rows (the kernel reads and
             // writes no more), and check_product the kernel's needs.
+            if p.act != GpuAct::F32 && !k.starts_with("bs_tc_") {
+                let mut xr = self.zeros::<f32>(n * m.cols)?;
+                self.variant_x(p.act, x, &mut xr, m.cols, n)?;
+                return self.launch(&k, m, &xr, y, n);
+            }
             self.launch(&k, m, x, y, n)
+        }
+
+        /// out = x (`n` rows of `cols`) as activations `act` give it:
+        /// rounded to BF16 as `bf16act::round` rounds (`bs_cu_round_bf16`),
+        /// or quantized to int8 per 32 columns and taken back, q · d, as
+        /// `q8::Q8Act` does (`bs_cu_round_q8`); f32: copied.
+        fn variant_x(
+            &self,
+            act: GpuAct,
+            x: &DevBuf<f32>,
+            out: &mut DevBuf<f32>,
+            cols: usize,
+            n: usize,
+        ) -> Result<(), String> {
+            let len = cols.saturating_mul(n);
+            if len > x.len() || len > out.len() || len > i32::MAX as usize {
+                return Err(format!(
+                    "activations of {n} × {cols} from {} values into {}",
+                    x.len(),
+                    out.len()
+                ));
+            }
+            // The kernels' parameters in order; x and out hold n × cols
+            // (checked), which bs_cu_round_q8 takes in whole blocks of 32.
+            match act {
+                GpuAct::F32 => self.dtod(x, 0, out, 0, len),
+                GpuAct::Bf16 => {
+                    let mut args = vec![Arg::F32(x), Arg::F32Out(out), Arg::I32(len as i32)];
+                    self.run("bs_cu_round_bf16", Self::spread(len), &mut args)
+                }
+                GpuAct::Q8 if cols % 32 == 0 => {
+                    let mut args = vec![
+                        Arg::F32(x),
+                        Arg::F32Out(out),
+                        Arg::I32(cols as i32),
+                        Arg::I32(n as i32),
+                    ];
+                    let blocks = (len / 32).div_ceil(4).max(1) as u32;
+                    self.run("bs_cu_round_q8", blocks128(blocks, 1), &mut args)
+                }
+                GpuAct::Q8 => Err(format!(
+                    "int8 activations of {cols} columns: whole blocks of 32 only"
+                )),
+            }
         }
 
         /// RMSNorm (`bs_cu_rmsnorm`) of `rows` rows of `d` floats: from `x`
@@ -3169,7 +3253,7 @@ pub mod tier {
     /// their outputs in order.
     pub fn products(
         id: u32,
-        mats: &[(Arc<DevMat>, bool)],
+        mats: &[DevProduct],
         xs: &[&[f32]],
         n: usize,
     ) -> Result<Vec<Vec<f32>>, String> {
@@ -3221,6 +3305,25 @@ pub mod tier {
     }
 }
 
+/// What ran on the GPU for VRAM tier `id` so far, one line for the end of
+/// a run (None without a tier): the layers of forwards with every layer
+/// there, the SwiGLU blocks (MLPs, experts) run whole, the batches of
+/// products queued together.
+pub fn work_line(id: u32) -> Option<String> {
+    #[cfg(feature = "cuda")]
+    if id != 0 {
+        return Some(format!(
+            "CUDA: ran on the GPU: {} layers in forwards with every layer there, {} SwiGLU blocks whole, \
+             {} batches of products",
+            tier::whole_layers(id),
+            tier::ffn_blocks(id),
+            tier::product_batches(id)
+        ));
+    }
+    let _ = id;
+    None
+}
+
 /// Free VRAM tier `id` (a no-op without the `cuda` feature, where there
 /// are no tiers).
 pub fn release_tier(id: u32) {
@@ -3237,7 +3340,7 @@ pub fn status_line() -> String {
     {
         match imp::gpu() {
             Ok(g) if g.emulated() => "CUDA: emulated on the CPU (BESPOKE_CUDA=emu): the CUDA-core \
-                 kernels, for testing; no tensor cores, no speed"
+                 kernels and the tensor-core paths it computes, for testing; no speed"
                 .into(),
             Ok(g) => format!(
                 "CUDA: {} (sm_{}{}, {:.0} GiB), kernels from the {} image",
@@ -3526,17 +3629,31 @@ pub fn place_model(
         // (LlamaModel::forward_on_gpu; routed experts where they are).
         let llama = matches!(eng, crate::generate::AnyModel::Llama(_));
         let attention = if llama && p.dense.0 == p.dense.1 && p.kv > 0 {
-            if whole_layers_enabled() {
+            let k = eng.kernels();
+            // The activation variants asked for, which the device's
+            // products take (Kernels::gpu_product).
+            let variants: Vec<String> = [
+                ("--bf16-act", k.bf16_act().name()),
+                ("--fp8-act", k.fp8_act().name()),
+                ("--fp4-act", k.fp4_act().name()),
+            ]
+            .into_iter()
+            .filter(|(_, v)| *v != "f32")
+            .map(|(f, v)| format!("{f} {v}"))
+            .collect();
+            let acts = match variants.is_empty() {
+                true => "f32 activations".to_string(),
+                false => format!("the activations of {}", variants.join(" ")),
+            };
+            if !whole_layers_enabled() {
+                format!("{attention}; layers block by block (BESPOKE_CUDA_LAYERS=off)")
+            } else {
                 let experts = if p.experts.1 > 0 {
                     ", routed experts where they are"
                 } else {
                     ""
                 };
-                format!(
-                    "{attention}; each forward with every layer on the GPU (f32 activations{experts})"
-                )
-            } else {
-                format!("{attention}; layers block by block (BESPOKE_CUDA_LAYERS=off)")
+                format!("{attention}; each forward with every layer on the GPU ({acts}{experts})")
             }
         } else {
             attention

@@ -1682,12 +1682,7 @@ impl Kernels {
             return None; // the CPU path reports the length error
         }
         let specialised = self.mat_kernel(m.format(), m.rows, m.cols).shape.is_some();
-        // The activations the CPU would use here pick the GPU kernel.
-        let act = match self.route(m.format(), n) {
-            Route::Q8 => crate::gpu::GpuAct::Q8,
-            Route::Dot | Route::Amx => crate::gpu::GpuAct::Bf16,
-            Route::F32 => crate::gpu::GpuAct::F32,
-        };
+        let act = self.gpu_act(m.format(), n);
         match crate::gpu::tier::matmul(&d, specialised, x, n, act) {
             Ok(v) => {
                 y.copy_from_slice(&v);
@@ -1703,43 +1698,46 @@ impl Kernels {
         }
     }
 
-    /// A SwiGLU expert's (gate, up, down) device copies for one job on the
-    /// GPU ([`crate::gpu::FfnJob`]), each with whether the build specialised
-    /// its shape: Some where all three matrices are resident in this
-    /// engine's VRAM tier and each would take f32 activations here for `n`
-    /// tokens (the activation variants keep their per-product path, which
-    /// gives each product its variant's activations).
+    /// The activations the CPU gives a product of `n` tokens with a
+    /// `format` matrix here, which pick its kernel on the GPU.
     #[cfg(feature = "cuda")]
-    pub fn ffn_mats(
-        &self,
-        mats: [&Matrix; 3],
-        n: usize,
-    ) -> Option<[(std::sync::Arc<crate::gpu::DevMat>, bool); 3]> {
+    fn gpu_act(&self, format: Format, n: usize) -> crate::gpu::GpuAct {
+        match self.route(format, n) {
+            Route::Q8 => crate::gpu::GpuAct::Q8,
+            Route::Dot | Route::Amx => crate::gpu::GpuAct::Bf16,
+            Route::F32 => crate::gpu::GpuAct::F32,
+        }
+    }
+
+    /// A SwiGLU expert's (gate, up, down) device products for one job on
+    /// the GPU ([`crate::gpu::FfnJob`]): Some where all three matrices are
+    /// resident in this engine's VRAM tier and the device can give each
+    /// its activations ([`Kernels::gpu_product`]).
+    #[cfg(feature = "cuda")]
+    pub fn ffn_mats(&self, mats: [&Matrix; 3], n: usize) -> Option<[crate::gpu::DevProduct; 3]> {
         Some([
-            self.gpu_f32(mats[0], n)?,
-            self.gpu_f32(mats[1], n)?,
-            self.gpu_f32(mats[2], n)?,
+            self.gpu_product(mats[0], n)?,
+            self.gpu_product(mats[1], n)?,
+            self.gpu_product(mats[2], n)?,
         ])
     }
 
-    /// `m` on the GPU for a product of `n` tokens with f32 activations: its
-    /// device copy and whether the build specialised a kernel for its
-    /// shape. None: no VRAM tier, not resident, or another route here (an
-    /// activation variant).
+    /// `m` on the GPU for a product of `n` tokens: its device copy, whether
+    /// the build specialised a kernel for its shape, and the activations
+    /// the CPU would give it (f32; rounded to BF16 by `--bf16-act` /
+    /// `--fp8-act` / `--fp4-act amx`; int8 by `--fp4-act q8`), which the
+    /// device makes alike. None: no VRAM tier, or not resident.
     #[cfg(feature = "cuda")]
-    pub fn gpu_f32(
-        &self,
-        m: &Matrix,
-        n: usize,
-    ) -> Option<(std::sync::Arc<crate::gpu::DevMat>, bool)> {
-        if self.tier == 0 || self.route(m.format(), n) != Route::F32 {
+    pub fn gpu_product(&self, m: &Matrix, n: usize) -> Option<crate::gpu::DevProduct> {
+        let act = self.gpu_act(m.format(), n);
+        if self.tier == 0 {
             return None;
         }
-        let d = crate::gpu::tier::resident(self.tier, m)?;
-        Some((
-            d,
-            self.mat_kernel(m.format(), m.rows, m.cols).shape.is_some(),
-        ))
+        Some(crate::gpu::DevProduct {
+            mat: crate::gpu::tier::resident(self.tier, m)?,
+            specialised: self.mat_kernel(m.format(), m.rows, m.cols).shape.is_some(),
+            act,
+        })
     }
 
     /// `ys[i] = ms[i] · X` (`n` tokens) where `xs` holds one X that every
@@ -1770,7 +1768,7 @@ impl Kernels {
                 .zip(ys.iter())
                 .enumerate()
                 .all(|(i, (m, y))| x_of(i).len() == n * m.cols && y.len() == n * m.rows);
-            let mats: Option<Vec<_>> = ms.iter().map(|m| self.gpu_f32(m, n)).collect();
+            let mats: Option<Vec<_>> = ms.iter().map(|m| self.gpu_product(m, n)).collect();
             if let (true, Some(mats)) = (fits, mats) {
                 match crate::gpu::tier::products(self.tier, &mats, xs, n) {
                     Ok(outs) if outs.len() == ys.len() => {

@@ -807,7 +807,7 @@ fn ffn_on(g: &gpu::Gpu) {
         .zip(&owned)
         .zip(&dev_mats)
         .map(|((&(_, _, _, n, limit), (_, x)), d)| gpu::FfnJob {
-            mats: d.clone().map(|m| (m, false)),
+            mats: d.clone().map(|m| gpu::DevProduct::f32(m, false)),
             x,
             n,
             limit,
@@ -851,20 +851,23 @@ fn ffn_on(g: &gpu::Gpu) {
     // bit, as launched on its own; a matrix of another width refused.
     let (hidden, n, x) = (cases[0].1, cases[0].3, &owned[0].1);
     let mats = [
-        (dev_mats[0][0].clone(), false),
-        (dev_mats[0][1].clone(), false),
-        (dev_mats[2][0].clone(), false),
+        gpu::DevProduct::f32(dev_mats[0][0].clone(), false),
+        gpu::DevProduct::f32(dev_mats[0][1].clone(), false),
+        gpu::DevProduct::f32(dev_mats[2][0].clone(), false),
     ];
-    assert!(mats.iter().all(|(m, _)| m.cols == hidden));
+    assert!(mats.iter().all(|p| p.mat.cols == hidden));
     let shared = g
         .ffn_finish(g.products_start(&mats, &[x], n).unwrap())
         .unwrap();
-    for (i, (m, _)) in mats.iter().enumerate() {
-        let kernel = gpu::core_kernel(m.format, n, None);
-        let one = g.matmul(&kernel, m, x, n).unwrap();
+    for (i, p) in mats.iter().enumerate() {
+        let kernel = gpu::core_kernel(p.mat.format, n, None);
+        let one = g.matmul(&kernel, &p.mat, x, n).unwrap();
         assert_eq!(shared[i], one, "{dev}: product {i} sharing X ({kernel})");
     }
-    let other = [mats[0].clone(), (dev_mats[3][0].clone(), false)];
+    let other = [
+        mats[0].clone(),
+        gpu::DevProduct::f32(dev_mats[3][0].clone(), false),
+    ];
     let e = g
         .products_start(&other, &[x], n)
         .err()
@@ -875,14 +878,17 @@ fn ffn_on(g: &gpu::Gpu) {
     let x2: Vec<f32> = (0..n * dev_mats[3][0].cols)
         .map(|i| ((i % 7) as f32 - 3.0) / 4.0)
         .collect();
-    let each = [mats[0].clone(), (dev_mats[3][0].clone(), false)];
+    let each = [
+        mats[0].clone(),
+        gpu::DevProduct::f32(dev_mats[3][0].clone(), false),
+    ];
     let xs: [&[f32]; 2] = [x, &x2];
     let got = g
         .ffn_finish(g.products_start(&each, &xs, n).unwrap())
         .unwrap();
-    for (((m, _), xi), y) in each.iter().zip(xs).zip(&got) {
+    for ((p, xi), y) in each.iter().zip(xs).zip(&got) {
         let one = g
-            .matmul(&gpu::core_kernel(m.format, n, None), m, xi, n)
+            .matmul(&gpu::core_kernel(p.mat.format, n, None), &p.mat, xi, n)
             .unwrap();
         assert_eq!(y, &one, "{dev}: a product with its own X");
     }
@@ -894,9 +900,9 @@ fn ffn_on(g: &gpu::Gpu) {
     // Down's columns must be gate's rows.
     let bad = gpu::FfnJob {
         mats: [
-            (dev_mats[0][0].clone(), false),
-            (dev_mats[0][1].clone(), false),
-            (dev_mats[1][2].clone(), false),
+            gpu::DevProduct::f32(dev_mats[0][0].clone(), false),
+            gpu::DevProduct::f32(dev_mats[0][1].clone(), false),
+            gpu::DevProduct::f32(dev_mats[1][2].clone(), false),
         ],
         x: &owned[0].1,
         n: cases[0].3,
@@ -907,6 +913,147 @@ fn ffn_on(g: &gpu::Gpu) {
         .err()
         .expect("a job whose shapes do not chain");
     assert!(e.contains("do not chain"), "{dev}: {e}");
+    variant_products_on(g, dev, &dev_mats[0][0], x, n, gpu::GpuAct::Bf16);
+    let (n4, x4) = (cases[2].3, &owned[2].1);
+    variant_products_on(g, dev, &dev_mats[2][0], x4, n4, gpu::GpuAct::Q8);
+    bf16_rounding_on(g, dev);
+}
+
+/// Queued products with an activation variant's activations (for a layer
+/// or a block run whole on the device): one token on the CUDA cores reads X
+/// as the CPU variant gives it, made on the device (`bs_cu_round_bf16`,
+/// `bs_cu_round_q8`), bit for bit the product of `variant_activations`' X;
+/// more tokens go to the variant's tensor-core kernel where the image has
+/// it, bit for bit that kernel launched on its own.
+fn variant_products_on(
+    g: &gpu::Gpu,
+    dev: &str,
+    mat: &std::sync::Arc<gpu::DevMat>,
+    x: &[f32],
+    n: usize,
+    act: gpu::GpuAct,
+) {
+    let p = gpu::DevProduct {
+        mat: mat.clone(),
+        specialised: false,
+        act,
+    };
+    let cols = mat.cols;
+    let run = |x: &[f32], n: usize| {
+        g.ffn_finish(g.products_start(std::slice::from_ref(&p), &[x], n).unwrap())
+            .unwrap()
+            .remove(0)
+    };
+    let x1 = &x[..cols];
+    let xr = gpu::variant_activations(act, x1, cols).unwrap().unwrap();
+    assert_ne!(xr, x1, "{dev}: {act:?} activations change X");
+    let want = g
+        .matmul(&gpu::core_kernel(mat.format, 1, None), mat, &xr, 1)
+        .unwrap();
+    assert_eq!(
+        run(x1, 1),
+        want,
+        "{dev}: one token, {act:?} activations on the CUDA cores"
+    );
+    let kernel = gpu::tc_kernel(mat.format, n, cols, act, |k| g.has_tc(k))
+        .unwrap_or_else(|| gpu::core_kernel(mat.format, n, None));
+    let want = match kernel.starts_with("bs_tc_") {
+        true => g.matmul(&kernel, mat, x, n).unwrap(),
+        false => {
+            let xr = gpu::variant_activations(act, x, cols).unwrap().unwrap();
+            g.matmul(&kernel, mat, &xr, n).unwrap()
+        }
+    };
+    assert_eq!(
+        run(x, n),
+        want,
+        "{dev}: {n} tokens, {act:?} activations ({kernel})"
+    );
+    println!(
+        "{dev}: {} {}×{cols} with {act:?} activations, 1 and {n} tokens ({kernel}): bit for bit",
+        mat.format, mat.rows
+    );
+}
+
+/// `bs_cu_round_bf16` on ties, subnormals, signed zeros and BF16's
+/// largest value.
+fn bf16_rounding_on(g: &gpu::Gpu, dev: &str) {
+    use bespoke::gpu::{DevProduct, GpuAct};
+    // The rounding: y = I · x with x's values as BF16 reads them (an
+    // infinite one would make the other rows' 0 · x NaN; a zero comes out
+    // +0, the sum of zero products).
+    let vals: Vec<f32> = [
+        1.0f32,
+        1.0 + 2f32.powi(-8),                  // a tie, to even: 1
+        1.0 + 3.0 * 2f32.powi(-8),            // a tie, to even: 1 + 2^-6
+        1.0 + 2f32.powi(-8) + 2f32.powi(-20), // past the tie: up
+        -0.0,
+        0.0,
+        1e-40,  // subnormal: to 0
+        -1e-40, // to -0
+        f32::MIN_POSITIVE,
+        -3.3895314e38, // BF16's largest
+        65504.0,
+        -2.5e-30,
+        std::f32::consts::PI,
+        0.1,
+        -7.75,
+    ]
+    .to_vec();
+    let k = vals.len();
+    let mut eye = vec![0f32; k * k];
+    for i in 0..k {
+        eye[i * k + i] = 1.0;
+    }
+    let m = Matrix::new(k, k, Weights::F32(&eye)).unwrap();
+    let id = DevProduct {
+        mat: std::sync::Arc::new(g.upload_matrix(&m).unwrap()),
+        specialised: false,
+        act: GpuAct::Bf16,
+    };
+    let got = g
+        .ffn_finish(g.products_start(&[id], &[&vals], 1).unwrap())
+        .unwrap();
+    for (i, (&v, &y)) in vals.iter().zip(&got[0]).enumerate() {
+        let want = f32::from_bits((bespoke::bf16act::round(v) as u32) << 16) + 0.0;
+        assert_eq!(
+            y.to_bits(),
+            want.to_bits(),
+            "{dev}: value {i}: {v:e} read as {y:e}, expected {want:e}"
+        );
+    }
+    // `bs_cu_round_q8` the same way, over two blocks of 32: one all zeros
+    // (scale 0), one with amax 127 and halves (ties, to even) below it.
+    let mut vals = vec![0f32; 64];
+    for (i, v) in vals[32..].iter_mut().enumerate() {
+        *v = [127.0, -2.5, 3.5, -0.5, 0.5, 1.25, -126.75, 64.0][i % 8]
+            * if i > 8 { 0.75 } else { 1.0 };
+    }
+    vals[32] = 127.0;
+    let mut eye = vec![0f32; 64 * 64];
+    for i in 0..64 {
+        eye[i * 64 + i] = 1.0;
+    }
+    let m = Matrix::new(64, 64, Weights::F32(&eye)).unwrap();
+    let id = DevProduct {
+        mat: std::sync::Arc::new(g.upload_matrix(&m).unwrap()),
+        specialised: false,
+        act: GpuAct::Q8,
+    };
+    let got = g
+        .ffn_finish(g.products_start(&[id], &[&vals], 1).unwrap())
+        .unwrap();
+    let want = gpu::variant_activations(GpuAct::Q8, &vals, 64)
+        .unwrap()
+        .unwrap();
+    assert_ne!(want, vals, "{dev}: int8 activations change X");
+    for (i, (&y, &w)) in got[0].iter().zip(&want).enumerate() {
+        assert_eq!(
+            y.to_bits(),
+            (w + 0.0).to_bits(),
+            "{dev}: int8 value {i}: {y:e}, expected {w:e}"
+        );
+    }
 }
 
 /// `bench gpu`'s attention timing (run on a GPU by tools/gpu-check.sh): each
@@ -1121,6 +1268,11 @@ fn score_runs_with_every_matrix_in_the_vram_tier() {
             // The Llama family's forwards run with every layer there.
             assert_eq!(
                 err.contains("each forward with every layer on the GPU"),
+                name != "tiny-dsv4",
+                "{name} on the {dev}: {err}"
+            );
+            assert_eq!(
+                whole_layers_run(err) > 0,
                 name != "tiny-dsv4",
                 "{name} on the {dev}: {err}"
             );
@@ -1350,6 +1502,16 @@ fn a_failed_gpu_forward_counts_expert_usage_once() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The layers a run's forwards ran with every layer on the GPU, from its
+/// closing `CUDA: ran on the GPU: …` line (0 without one).
+fn whole_layers_run(err: &str) -> u64 {
+    err.lines()
+        .find_map(|l| l.strip_prefix("CUDA: ran on the GPU: "))
+        .and_then(|l| l.split(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
 /// `score --json --logits last` output: (argmax per position, last logits).
 fn last_logits(out: &str) -> (Vec<serde_json::Value>, Vec<f64>) {
     let v: serde_json::Value = serde_json::from_str(out).unwrap();
@@ -1432,6 +1594,7 @@ fn variants_on(g: &gpu::Gpu, env: &[(&str, &str)]) {
     let dev = device_name(g);
     for (model, flag, value, key) in [
         ("tiny-llama", "--bf16-act", "bf16", "mma_bf16"),
+        ("tiny-qwen3-moe", "--bf16-act", "bf16", "mma_bf16"),
         ("tiny-dsv4", "--fp8-act", "bf16", "mma_bf16"),
         ("tiny-dsv4", "--fp4-act", "q8", "mma_int8"),
     ] {
@@ -1449,7 +1612,16 @@ fn variants_on(g: &gpu::Gpu, env: &[(&str, &str)]) {
         }
         let (ok, gpu_out, err) = score_last(model, &[flag, value, "--vram", "4"], env);
         assert!(
-            ok && err.contains("CUDA: VRAM tier"),
+            ok && err.contains("CUDA: VRAM tier") && !err.contains("failed"),
+            "{dev}: {model} {flag} {value}: {err}"
+        );
+        // The Llama family's forwards run with every layer on the device,
+        // each product with the variant's activations.
+        assert_eq!(
+            err.contains(&format!(
+                "each forward with every layer on the GPU (the activations of {flag} {value}"
+            )) && whole_layers_run(&err) > 0,
+            model != "tiny-dsv4",
             "{dev}: {model} {flag} {value}: {err}"
         );
         let ((a, lc), (b, lg)) = (last_logits(&cpu), last_logits(&gpu_out));

@@ -556,7 +556,7 @@ impl<'m> LlamaModel<'m> {
             return Ok(None);
         };
         let resident = |m: &Mat| -> Result<Option<crate::gpu::DevProduct>, EngineError> {
-            Ok(k.gpu_f32(&m.matrix()?, n))
+            Ok(k.gpu_product(&m.matrix()?, n))
         };
         let mut mats = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
@@ -620,7 +620,7 @@ impl<'m> LlamaModel<'m> {
             return Ok(None);
         };
         let rows = if all_logits { n } else { 1 };
-        let head = k.gpu_f32(&self.head.matrix()?, rows);
+        let head = k.gpu_product(&self.head.matrix()?, rows);
         let (layers, kvw, hd) = (
             self.layers.len(),
             self.kv_heads * self.head_dim,
