@@ -197,6 +197,9 @@ pub fn e2e(dir: &Path, opts: &E2eOptions) -> Result<E2eResults, String> {
         })?;
         runs.push(run);
     }
+    if let Some(line) = crate::gpu::work_line(eng.kernels().tier()) {
+        eprintln!("{line}");
+    }
     Ok(E2eResults {
         model: m.dir.display().to_string(),
         family: m.config.family.name().into(),

@@ -793,6 +793,7 @@ mod imp {
                 out_rows * vocab.max(1),
                 n * experts_out.max(1),
                 n * d,
+                n * [d, hw, inter].into_iter().max().unwrap_or(d),
             ];
             // The step's buffers: the last step's where they are long
             // enough (each is written before it is read, and every launch
@@ -806,7 +807,8 @@ mod imp {
                     *b = g.zeros::<f32>(len)?;
                 }
             }
-            let [xd, tbl, hb, qd, kd, vd, att, od, gd, ud, stage, logits, rl, xe] = &mut work[..]
+            let [xd, tbl, hb, qd, kd, vd, att, od, gd, ud, stage, logits, rl, xe, xr] =
+                &mut work[..]
             else {
                 return Err("a forward on the GPU: its buffers".into());
             };
@@ -817,9 +819,9 @@ mod imp {
             for (li, (m, lv)) in mats.iter().zip(&vecs.layers).enumerate() {
                 let [mq, mk, mv, mo] = &m.attn;
                 g.rmsnorm(Some(xd), &lv.in_norm, hb, n, d, geo.eps)?;
-                g.product(mq, hb, qd, n)?;
-                g.product(mk, hb, kd, n)?;
-                g.product(mv, hb, vd, n)?;
+                g.product_in(mq, hb, qd, n, Some(&mut *xr))?;
+                g.product_in(mk, hb, kd, n, Some(&mut *xr))?;
+                g.product_in(mv, hb, vd, n, Some(&mut *xr))?;
                 for (buf, b) in [
                     (&mut *qd, &lv.bias[0]),
                     (&mut *kd, &lv.bias[1]),
@@ -846,7 +848,7 @@ mod imp {
                     self.causal(li, pos0 + c0 + 1, c, geo.scale)?;
                     g.dtod(&self.out, 0, att, c0 * hw, c * hw)?;
                 }
-                g.product(mo, att, od, n)?;
+                g.product_in(mo, att, od, n, Some(&mut *xr))?;
                 if let Some(b) = &lv.bias[3] {
                     g.add(od, b, n * d, d)?;
                 }
@@ -854,14 +856,14 @@ mod imp {
                 g.rmsnorm(Some(xd), &lv.post_norm, hb, n, d, geo.eps)?;
                 match &m.ffn {
                     LayerFfn::Dense([mg, mu, mdn]) => {
-                        g.product(mg, hb, gd, n)?;
-                        g.product(mu, hb, ud, n)?;
+                        g.product_in(mg, hb, gd, n, Some(&mut *xr))?;
+                        g.product_in(mu, hb, ud, n, Some(&mut *xr))?;
                         g.swiglu_launch(gd, ud, n * mg.mat.rows, None)?;
-                        g.product(mdn, gd, od, n)?;
+                        g.product_in(mdn, gd, od, n, Some(&mut *xr))?;
                     }
                     LayerFfn::Moe { router, inter } => {
                         let host = moe.ok_or("an MoE layer and no router host")?;
-                        g.product(router, hb, rl, n)?;
+                        g.product_in(router, hb, rl, n, Some(&mut *xr))?;
                         let mut scores = vec![0.0f32; n * router.mat.rows];
                         g.dtoh_into(rl, &mut scores)?;
                         let r = check_routing(host.route(li, &scores, n)?, n, d, *inter)?;
@@ -902,10 +904,10 @@ mod imp {
                                 g.gather(xe, hb, idx, r.offs[i], c, d)?;
                                 xe
                             };
-                            g.product(eg, input, gd, c)?;
-                            g.product(eu, input, ud, c)?;
+                            g.product_in(eg, input, gd, c, Some(&mut *xr))?;
+                            g.product_in(eu, input, ud, c, Some(&mut *xr))?;
                             g.swiglu_launch(gd, ud, c * eg.mat.rows, None)?;
-                            g.product(edn, gd, &mut ys[i], c)?;
+                            g.product_in(edn, gd, &mut ys[i], c, Some(&mut *xr))?;
                             gpu_experts += 1;
                         }
                         for (i, e) in r
@@ -936,7 +938,7 @@ mod imp {
             g.rmsnorm(None, &vecs.norm, hb, m, d, geo.eps)?;
             let out = match head {
                 Some(hm) => {
-                    g.product(hm, hb, logits, m)?;
+                    g.product_in(hm, hb, logits, m, Some(&mut *xr))?;
                     let mut v = vec![0.0f32; m * vocab];
                     g.dtoh_into(logits, &mut v)?;
                     v
@@ -1940,14 +1942,28 @@ mod imp {
         /// y = W · x for `n` tokens on the device with the product's kernel
         /// ([`Gpu::product_kernel`]); a CUDA-core product of an activation
         /// variant reads x as the CPU variant gives it, made on the device
-        /// into a buffer of its own (`bs_cu_round_bf16`, `bs_cu_round_q8`:
-        /// [`variant_activations`] bit for bit).
+        /// (`bs_cu_round_bf16`, `bs_cu_round_q8`: [`variant_activations`]
+        /// bit for bit) into a buffer of its own.
         fn product(
             &self,
             p: &DevProduct,
             x: &DevBuf<f32>,
             y: &mut DevBuf<f32>,
             n: usize,
+        ) -> Result<(), String> {
+            self.product_in(p, x, y, n, None)
+        }
+
+        /// [`Gpu::product`], making a variant's activations in `scratch`
+        /// where it holds them (a forward's kept buffer: a decode step then
+        /// allocates nothing).
+        fn product_in(
+            &self,
+            p: &DevProduct,
+            x: &DevBuf<f32>,
+            y: &mut DevBuf<f32>,
+            n: usize,
+            scratch: Option<&mut DevBuf<f32>>,
         ) -> Result<(), String> {
             let (m, k) = (&p.mat, self.product_kernel(p, n)?);
             self.check_product(&k, m, n * m.cols, n)?;
@@ -1963,9 +1979,16 @@ mod imp {
             // Checked: x holds n × cols, y n × rows (the kernel reads and
             // writes no more), and check_product the kernel's needs.
             if p.act != GpuAct::F32 && !k.starts_with("bs_tc_") {
-                let mut xr = self.zeros::<f32>(n * m.cols)?;
-                self.variant_x(p.act, x, &mut xr, m.cols, n)?;
-                return self.launch(&k, m, &xr, y, n);
+                let mut own;
+                let xr = match scratch {
+                    Some(b) if b.len() >= n * m.cols => b,
+                    _ => {
+                        own = self.zeros::<f32>(n * m.cols)?;
+                        &mut own
+                    }
+                };
+                self.variant_x(p.act, x, xr, m.cols, n)?;
+                return self.launch(&k, m, xr, y, n);
             }
             self.launch(&k, m, x, y, n)
         }

@@ -1167,15 +1167,7 @@ fn bench_gpu_without_a_gpu_says_why() {
 /// across runs; BESPOKE_USAGE=off leaves no file.
 #[test]
 fn expert_usage_is_saved_next_to_the_model() {
-    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-qwen3-moe");
-    let dir = std::env::temp_dir().join(format!("bespoke-usage-cli-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    for e in std::fs::read_dir(&src).unwrap().flatten() {
-        if e.file_type().unwrap().is_file() {
-            std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
-        }
-    }
+    let dir = common::fixture_copy("tiny-qwen3-moe", "usage-cli");
     let run = |usage_off: bool| {
         let mut c = bespoke_command();
         c.args([

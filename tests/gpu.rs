@@ -1357,97 +1357,96 @@ fn score_runs_with_some_experts_in_the_vram_tier() {
 /// GPU the setting does nothing, and only the results are checked.)
 #[test]
 fn gpu_failures_fall_back_to_the_cpu() {
-    let vram = ["--vram", "4"];
-    let blocks = ("BESPOKE_CUDA_LAYERS", "off");
-    for (name, fail, layers, said) in [
+    let injected = "(BESPOKE_CUDA_EMU_FAIL)";
+    // (fixture, its reference prompt, BESPOKE_CUDA_EMU_FAIL, whole layers,
+    // what stderr must say)
+    let cases = [
         // In layer 1 of a forward with every layer on the GPU (its in_norm:
         // layer 0 made 4 norms), after layer 0 routed its tokens.
         (
             "tiny-qwen3-moe",
+            0,
             "bs_cu_rmsnorm:5",
             true,
-            "a forward on the GPU failed",
+            vec!["a forward on the GPU failed", injected],
         ),
         (
             "tiny-llama",
+            0,
             "bs_cu_attn:1",
             false,
-            "attention on the GPU failed",
+            vec!["attention on the GPU failed", injected],
         ),
         (
             "tiny-llama",
+            0,
             "bs_cu_m:1",
             false,
-            "a list of products on the GPU failed",
+            vec!["a list of products on the GPU failed", injected],
         ),
-        ("tiny-llama", "bs_cu_m:4", false, "a GPU product failed"),
+        (
+            "tiny-llama",
+            0,
+            "bs_cu_m:4",
+            false,
+            vec!["a GPU product failed", injected],
+        ),
         (
             "tiny-dsv4",
+            0,
             "bs_cu_swiglu:2",
             false,
-            "a SwiGLU block on the GPU failed",
+            vec!["a SwiGLU block on the GPU failed", injected],
         ),
         (
             "tiny-dsv4",
+            0,
             "bs_cu_attn_rows:3",
             false,
-            "attention on the GPU failed",
+            vec!["attention on the GPU failed", injected],
+        ),
+        // DeepSeek V4's lightning indexer, on a prompt long enough (82
+        // tokens) for its CSA layers' queries to choose among their entries.
+        (
+            "tiny-dsv4",
+            2,
+            "bs_cu_index_scores:2",
+            false,
+            vec!["attention on the GPU failed (bs_cu_index_scores: injected"],
         ),
         // The device gone for good after 40 launches: everything after
         // fails, and everything runs on the CPU.
         (
             "tiny-qwen3-moe",
+            0,
             "*:40+",
             true,
-            "a forward on the GPU failed",
+            vec!["a forward on the GPU failed", injected],
         ),
-        ("tiny-dsv4", "*:40+", false, "failed"),
-    ] {
+        ("tiny-dsv4", 0, "*:40+", false, vec!["failed", injected]),
+        // A setting that makes no sense is named in the failure it causes.
+        (
+            "tiny-llama",
+            0,
+            "bs_cu_m:0",
+            true,
+            vec!["BESPOKE_CUDA_EMU_FAIL=bs_cu_m:0: expected KERNEL"],
+        ),
+    ];
+    for (name, prompt, fail, layers, said) in cases {
         let mut env = vec![("BESPOKE_CUDA_EMU_FAIL", fail)];
         if !layers {
-            env.push(blocks);
+            env.push(("BESPOKE_CUDA_LAYERS", "off"));
         }
-        score_against_the_cpu(name, &vram, &env, |dev, err| {
+        score_prompt_against_the_cpu(name, prompt, &["--vram", "4"], &env, |dev, err| {
             if dev == "emulator" {
                 assert!(
-                    err.contains(said)
-                        && err.contains("injected failure")
-                        && err.contains("(BESPOKE_CUDA_EMU_FAIL)"),
+                    said.iter().all(|w| err.contains(w)),
                     "{name} with {fail}: {err}"
                 );
             }
         });
     }
-    // DeepSeek V4's lightning indexer, on a prompt long enough (82 tokens)
-    // for its CSA layers' queries to choose among their entries.
-    score_prompt_against_the_cpu(
-        "tiny-dsv4",
-        2,
-        &vram,
-        &[("BESPOKE_CUDA_EMU_FAIL", "bs_cu_index_scores:2")],
-        |dev, err| {
-            if dev == "emulator" {
-                assert!(
-                    err.contains("attention on the GPU failed (bs_cu_index_scores: injected"),
-                    "{err}"
-                );
-            }
-        },
-    );
-    // A setting that makes no sense is named in the failure it causes.
-    score_against_the_cpu(
-        "tiny-llama",
-        &vram,
-        &[("BESPOKE_CUDA_EMU_FAIL", "bs_cu_m:0")],
-        |dev, err| {
-            if dev == "emulator" {
-                assert!(
-                    err.contains("BESPOKE_CUDA_EMU_FAIL=bs_cu_m:0: expected KERNEL"),
-                    "{err}"
-                );
-            }
-        },
-    );
 }
 
 /// A forward with every layer on the GPU that fails after its MoE layers
@@ -1455,15 +1454,7 @@ fn gpu_failures_fall_back_to_the_cpu() {
 /// counts once, not twice.
 #[test]
 fn a_failed_gpu_forward_counts_expert_usage_once() {
-    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-qwen3-moe");
-    let dir = std::env::temp_dir().join(format!("bespoke-gpu-usage-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    for e in std::fs::read_dir(&src).unwrap().flatten() {
-        if e.file_type().unwrap().is_file() {
-            std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
-        }
-    }
+    let dir = common::fixture_copy("tiny-qwen3-moe", "gpu-usage");
     let out = common::bespoke_command()
         .args([
             "run",

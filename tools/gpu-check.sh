@@ -121,9 +121,15 @@ e2e() { # model, mode, extra bench flags
   case $mode in
     gpu) $bin bench e2e --model "$m" --vram 8 "$@" > "$log" 2>&1 || fail=1 ;;
     blocks) BESPOKE_CUDA_LAYERS=off $bin bench e2e --model "$m" --vram 8 "$@" > "$log" 2>&1 || fail=1 ;;
+    # --bf16-act bf16: prefill on the BF16 tensor cores, every layer still on
+    # the GPU (the host CPU must run the variant too: AVX512_BF16).
+    bf16act)
+      if ! $bin bench e2e --model "$m" --vram 8 --bf16-act bf16 "$@" > "$log" 2>&1; then
+        grep -q "needs the bf16dot kernels" "$log" && echo "(not run: this CPU has no AVX512_BF16)" >> "$summary" || fail=1
+      fi ;;
     cpu) BESPOKE_CUDA=off $bin bench e2e --model "$m" "$@" > "$log" 2>&1 || fail=1 ;;
   esac
-  grep -E "^threads|VRAM tier|failed" "$log" >> "$summary"
+  grep -E "^threads|VRAM tier|failed|ran on the GPU" "$log" >> "$summary"
 }
 echo -e "\n## bespoke bench e2e: fixtures, --vram 8, then the CPU\n\n\`\`\`" >> "$summary"
 for m in tiny-dsv4 tiny-qwen3-moe tiny-llama; do
@@ -133,12 +139,13 @@ done
 echo '```' >> "$summary"
 
 # A dense model large enough for the GPU's bandwidth to count (0.92 GiB of
-# BF16, tools/make_bench_model.py; needs numpy): whole forwards on the GPU,
-# block by block, and the CPU.
+# BF16, tools/make_bench_model.py; needs numpy): whole forwards on the GPU
+# (f32 activations on the CUDA cores, then --bf16-act bf16 with prefill on
+# the tensor cores), block by block, and the CPU.
 bench_llama=${BESPOKE_BENCH_LLAMA:-/tmp/bespoke-bench-llama}
 if [ -f "$bench_llama/model.safetensors" ] || python3 tools/make_bench_model.py --out "$bench_llama" > "$out/make-bench.log" 2>&1; then
   echo -e "\n## bespoke bench e2e: the bench Llama ($bench_llama), --vram 8, then the CPU\n\n\`\`\`" >> "$summary"
-  for mode in gpu blocks cpu; do e2e "$bench_llama" $mode --prompt-len 128 --gen 32; done
+  for mode in gpu bf16act blocks cpu; do e2e "$bench_llama" $mode --prompt-len 128 --gen 32; done
   echo '```' >> "$summary"
 else
   echo -e "\n(no bench Llama: $(tail -1 "$out/make-bench.log"))" >> "$summary"
@@ -154,7 +161,7 @@ if [ -f "$bench_moe/model.safetensors" ] || python3 tools/make_bench_model.py --
   e2e "$bench_moe" gpu --prompt-len 128 --gen 32
   echo "(--vram 0.8: part of the experts)" >> "$summary"
   $bin bench e2e --model "$bench_moe" --vram 0.8 --prompt-len 128 --gen 32 > "$out/e2e-moe-part.log" 2>&1 || fail=1
-  grep -E "^threads|VRAM tier|failed" "$out/e2e-moe-part.log" >> "$summary"
+  grep -E "^threads|VRAM tier|failed|ran on the GPU" "$out/e2e-moe-part.log" >> "$summary"
   for mode in blocks cpu; do e2e "$bench_moe" $mode --prompt-len 128 --gen 32; done
   echo '```' >> "$summary"
 else

@@ -133,6 +133,25 @@ pub fn fixture(name: &str) -> (ModelDir, Value) {
     (m, r)
 }
 
+/// A fresh copy of fixture `name`'s files in a temporary directory of its
+/// own (`tag` and the process id name it), for a test that writes next to
+/// the model (expert usage); the caller removes it.
+#[allow(dead_code)] // not every test binary copies a fixture
+pub fn fixture_copy(name: &str, tag: &str) -> std::path::PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(name);
+    let dir = std::env::temp_dir().join(format!("bespoke-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(&src).unwrap().flatten() {
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+        }
+    }
+    dir
+}
+
 pub fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
         .unwrap()
