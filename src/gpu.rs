@@ -102,6 +102,8 @@ pub enum GpuAct {
 /// quantized to int8 per 32 columns and taken back as q · d (fp4×q8). So a
 /// variant's numerics on the GPU do not change with the token count or the
 /// shape, only the order of its sums. None: f32 activations, X as it is.
+/// The definition the device's `bs_cu_round_bf16` and `bs_cu_round_q8`
+/// are held to, bit for bit (tests/gpu.rs).
 pub fn variant_activations(
     act: GpuAct,
     x: &[f32],
@@ -1535,9 +1537,8 @@ mod imp {
     /// Weights, scales and activations on the device for one product.
     /// One SwiGLU expert for [`Gpu::ffn_start`]: down(silu(gate·x) ⊙
     /// up·x) for `n` tokens `x[n][cols]`, with DeepSeek V4's clamps at
-    /// `limit`. `mats`: gate, up and down, resident, each with whether the
-    /// build has a kernel specialised for its shape; they run on the
-    /// CUDA-core kernels (f32 activations).
+    /// `limit`. `mats`: gate, up and down, resident, each product with
+    /// its kernel and activations (`Gpu::product`).
     pub struct FfnJob<'a> {
         pub mats: [DevProduct; 3],
         pub x: &'a [f32],
@@ -3304,27 +3305,15 @@ pub mod tier {
         counted(id, 2)
     }
 
-    /// Y = W X on the GPU for a resident matrix; `specialised`: the build has a
-    /// kernel for this shape; `act`: the activations the CPU would use, which
-    /// send a prefill product to the tensor-core kernel of the same numerics
-    /// where the image has one ([`tc_kernel`]). Err: the launch failed (the
-    /// caller falls back).
-    pub fn matmul(
-        d: &DevMat,
-        specialised: bool,
-        x: &[f32],
-        n: usize,
-        act: GpuAct,
-    ) -> Result<Vec<f32>, String> {
+    /// Y = W X on the GPU for one resident product, as every queued
+    /// product runs (`Gpu::product`: a prefill product of an activation
+    /// variant on the tensor-core kernel of the same numerics where the
+    /// image has one, the variant's activations made on the device for the
+    /// CUDA cores). Err: the launch failed (the caller falls back).
+    pub fn matmul(p: &DevProduct, x: &[f32], n: usize) -> Result<Vec<f32>, String> {
         let g = gpu().map_err(str::to_string)?;
-        if let Some(k) = tc_kernel(d.format, n, d.cols, act, |k| g.has_tc(k)) {
-            return g.matmul(&k, d, x, n);
-        }
-        let kernel = core_kernel(d.format, n, specialised.then_some((d.rows, d.cols)));
-        match variant_activations(act, x, d.cols)? {
-            Some(xr) => g.matmul(&kernel, d, &xr, n),
-            None => g.matmul(&kernel, d, x, n),
-        }
+        let mut out = g.ffn_finish(g.products_start(std::slice::from_ref(p), &[x], n)?)?;
+        out.pop().ok_or_else(|| "no output from the GPU".into())
     }
 }
 

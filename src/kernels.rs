@@ -1674,16 +1674,11 @@ impl Kernels {
     /// the CPU (not resident, or the GPU call failed, which is said once).
     #[cfg(feature = "cuda")]
     fn on_gpu(&self, m: &Matrix, x: &[f32], n: usize, y: &mut [f32]) -> Option<()> {
-        if self.tier == 0 {
-            return None;
-        }
-        let d = crate::gpu::tier::resident(self.tier, m)?;
+        let p = self.gpu_product(m, n)?;
         if x.len() != n * m.cols || y.len() != n * m.rows {
             return None; // the CPU path reports the length error
         }
-        let specialised = self.mat_kernel(m.format(), m.rows, m.cols).shape.is_some();
-        let act = self.gpu_act(m.format(), n);
-        match crate::gpu::tier::matmul(&d, specialised, x, n, act) {
+        match crate::gpu::tier::matmul(&p, x, n) {
             Ok(v) => {
                 y.copy_from_slice(&v);
                 Some(())
