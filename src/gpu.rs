@@ -246,6 +246,27 @@ mod imp {
         }
     }
 
+    thread_local! {
+        /// Set while this thread runs the start-up check, whose launches
+        /// `BESPOKE_CUDA_EMU_FAIL` does not count or fail.
+        static CHECKING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// The emulator's wrong answers, `BESPOKE_CUDA_EMU_WRONG=KERNEL`: every
+    /// launch of a kernel whose name starts with KERNEL (`*`: any) returns
+    /// its output (the first it writes) off by a quarter and a half, as a
+    /// kernel that misreads a layout would on a GPU. What the start-up
+    /// check ([`Gpu::startup_check`]) is there to catch. A GPU ignores it.
+    fn emu_wrong(kernel: &str) -> bool {
+        static SPEC: OnceLock<Option<String>> = OnceLock::new();
+        SPEC.get_or_init(|| {
+            let v = std::env::var("BESPOKE_CUDA_EMU_WRONG").ok()?;
+            Some(if v == "*" { String::new() } else { v })
+        })
+        .as_deref()
+        .is_some_and(|p| kernel.starts_with(p))
+    }
+
     /// Where the kernels run.
     enum Dev {
         Cuda {
@@ -258,6 +279,9 @@ mod imp {
         Emu,
     }
 
+    /// Tensor-core paths turned off (`TcPath::key`), each with why.
+    pub type TcOff = Vec<(&'static str, String)>;
+
     /// A GPU with this build's kernels loaded (or the emulator, `BESPOKE_CUDA=emu`).
     pub struct Gpu {
         dev: Dev,
@@ -265,6 +289,12 @@ mod imp {
         pub cc: (u32, u32),
         pub image: &'static Image,
         pub total_mem: usize,
+        /// The tensor-core paths (`TcPath::key`) the start-up check turned
+        /// off, each with what it found: their products run on the CUDA
+        /// cores.
+        pub tc_off: TcOff,
+        /// How many products the start-up check ran against the CPU.
+        pub checked: usize,
     }
 
     /// A sequence's KV cache mirrored in device memory, so that attention
@@ -1470,13 +1500,28 @@ mod imp {
             cc: (8, 0),
             image: &EMU_IMAGE,
             total_mem: EMU_MEM,
+            tc_off: Vec::new(),
+            checked: 0,
         }
+    }
+
+    /// `g` after its start-up check ([`Gpu::startup_check`]): with the
+    /// tensor-core paths that failed it off, or Err (the engine runs on the
+    /// CPU) when a CUDA-core product failed it.
+    fn checked(mut g: Gpu) -> Result<Gpu, String> {
+        CHECKING.with(|c| c.set(true));
+        let r = g.startup_check();
+        CHECKING.with(|c| c.set(false));
+        let (off, n) = r.map_err(|e| format!("the device failed its start-up check: {e}"))?;
+        g.tc_off = off;
+        g.checked = n;
+        Ok(g)
     }
 
     fn probe() -> Result<Gpu, String> {
         match mode() {
             Some("off") => return Err("BESPOKE_CUDA=off".into()),
-            Some("emu") => return Ok(emu_gpu()),
+            Some("emu") => return checked(emu_gpu()),
             _ => {}
         }
         if IMAGES.is_empty() {
@@ -1507,7 +1552,7 @@ mod imp {
         let name = ctx.name().unwrap_or_else(|_| "NVIDIA GPU".into());
         let total_mem = ctx.total_mem().unwrap_or(0);
         let stream = ctx.default_stream();
-        Ok(Gpu {
+        checked(Gpu {
             dev: Dev::Cuda {
                 ctx,
                 stream,
@@ -1517,6 +1562,8 @@ mod imp {
             cc: (major, minor),
             image,
             total_mem,
+            tc_off: Vec::new(),
+            checked: 0,
         })
     }
 
@@ -1569,6 +1616,9 @@ mod imp {
         /// `TcPath::key`): the build plan's decision for the image, or the
         /// emulator's list.
         pub fn has_tc(&self, key: &str) -> bool {
+            if self.tc_off.iter().any(|(k, _)| *k == key) {
+                return false;
+            }
             match self.dev {
                 Dev::Emu => crate::plan::cuda::EMU_TC.contains(&key),
                 Dev::Cuda { .. } => image_has_tc(self.image.arch, key),
@@ -1648,7 +1698,9 @@ mod imp {
                         .map_err(derr(&format!("launching {kernel}")))
                 }
                 Dev::Emu => {
-                    emu_fault(kernel)?;
+                    if !CHECKING.with(|c| c.get()) {
+                        emu_fault(kernel)?;
+                    }
                     // Each argument's value in a slot of its own (pointers,
                     // and 32-bit scalars in the slot's low bytes: x86-64 and
                     // aarch64 are little-endian), and a pointer to each slot:
@@ -1694,6 +1746,13 @@ mod imp {
                         )
                     };
                     if rc == 0 {
+                        if emu_wrong(kernel) {
+                            if let Some(Arg::F32Out(DevBuf(Buf::Host(v)))) =
+                                args.iter_mut().find(|a| matches!(a, Arg::F32Out(_)))
+                            {
+                                v.iter_mut().for_each(|y| *y = *y * 1.25 + 0.5);
+                            }
+                        }
                         Ok(())
                     } else {
                         let end = err.iter().position(|&c| c == 0).unwrap_or(err.len());
@@ -1915,6 +1974,94 @@ mod imp {
                 layers: out,
                 norm: up("the final norm".into(), norm, d)?,
             })
+        }
+
+        /// Before the engine trusts the device: every kind of product it
+        /// would run there, on a small random matrix of each format (136 ×
+        /// 256: a partial last tile, two FP8 scale blocks each way), for 1
+        /// and 3 tokens, f32 activations and each variant's (BF16; int8 on
+        /// FP4), through the kernel the engine would pick (CUDA cores,
+        /// `mma.sync` BF16 and INT8 where this image has them), against
+        /// the CPU reference on the same activations within
+        /// [`devcheck::core_rel`] (the tensor cores within 2^-10, as they
+        /// may sum in an order and a rounding of their own). So a kernel
+        /// that misreads a layout on this device (none of this code ran
+        /// on a GPU before it was shipped) is caught before it gives a
+        /// wrong answer. Ok: the tensor-core paths that failed (to be
+        /// turned off) with what each did, and how many products ran. Err:
+        /// a CUDA-core product failed (the device is not used).
+        fn startup_check(&self) -> Result<(TcOff, usize), String> {
+            use crate::devcheck::{compare, core_rel, magnitudes, unit, CheckMatrix};
+            let mut seed = 0x5EED_u64;
+            let mut next = move || {
+                seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                let mut z = seed;
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                z ^ (z >> 31)
+            };
+            let (rows, cols, nmax) = (136usize, 256usize, 3usize);
+            let x: Vec<f32> = (0..nmax * cols).map(|_| unit(next()) * 4.0).collect();
+            let xd = self.htod(&x, "copying the check's activations")?;
+            let mut y = self.zeros::<f32>(nmax * rows)?;
+            let mut off = TcOff::new();
+            let mut count = 0;
+            for f in [Format::F32, Format::Bf16, Format::Fp8, Format::Fp4] {
+                let o = CheckMatrix::random(f, rows, cols, &mut next);
+                let m = o.matrix()?;
+                let mat = Arc::new(self.upload_matrix(&m)?);
+                let acts: &[GpuAct] = match f {
+                    Format::F32 => &[GpuAct::F32],
+                    Format::Bf16 | Format::Fp8 => &[GpuAct::F32, GpuAct::Bf16],
+                    Format::Fp4 => &[GpuAct::F32, GpuAct::Bf16, GpuAct::Q8],
+                };
+                for &act in acts {
+                    let p = DevProduct {
+                        mat: mat.clone(),
+                        specialised: false,
+                        act,
+                    };
+                    for n in [1, nmax] {
+                        let k = self.product_kernel(&p, n)?;
+                        let xs = &x[..n * cols];
+                        let xr = variant_activations(act, xs, cols)?;
+                        let xr = xr.as_deref().unwrap_or(xs);
+                        let want = crate::reference::matmul(&m, xr, n);
+                        let mag = magnitudes(&m, xr, n);
+                        let tc = k.starts_with("bs_tc_");
+                        let rel = if tc { 2f64.powi(-10) } else { core_rel(cols) };
+                        count += 1;
+                        let got = self
+                            .product(&p, &xd, &mut y, n)
+                            .and_then(|()| self.dtoh(&y))
+                            .and_then(|y| compare(&y[..n * rows], &want, &mag, rel));
+                        let Err(e) = got else { continue };
+                        let what = format!(
+                            "{k} ({f} {rows}×{cols}, {n} token{}, {} activations): {e}",
+                            if n == 1 { "" } else { "s" },
+                            match act {
+                                GpuAct::F32 => "f32",
+                                GpuAct::Bf16 => "BF16",
+                                GpuAct::Q8 => "int8",
+                            }
+                        );
+                        match (tc, act) {
+                            (false, _) => return Err(what),
+                            (true, a) => {
+                                let key = if a == GpuAct::Q8 {
+                                    "mma_int8"
+                                } else {
+                                    "mma_bf16"
+                                };
+                                if !off.iter().any(|(k, _)| *k == key) {
+                                    off.push((key, what));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            Ok((off, count))
         }
 
         /// The kernel a product of `n` tokens runs: the tensor-core kernel
@@ -3351,17 +3498,32 @@ pub fn status_line() -> String {
     #[cfg(feature = "cuda")]
     {
         match imp::gpu() {
-            Ok(g) if g.emulated() => "CUDA: emulated on the CPU (BESPOKE_CUDA=emu): the CUDA-core \
-                 kernels and the tensor-core paths it computes, for testing; no speed"
-                .into(),
-            Ok(g) => format!(
-                "CUDA: {} (sm_{}{}, {:.0} GiB), kernels from the {} image",
-                g.name,
-                g.cc.0,
-                g.cc.1,
-                g.total_mem as f64 / (1u64 << 30) as f64,
-                g.image.arch
-            ),
+            Ok(g) => {
+                let what = if g.emulated() {
+                    "CUDA: emulated on the CPU (BESPOKE_CUDA=emu): the CUDA-core kernels and the \
+                     tensor-core paths it computes, for testing; no speed"
+                        .to_string()
+                } else {
+                    format!(
+                        "CUDA: {} (sm_{}{}, {:.0} GiB), kernels from the {} image",
+                        g.name,
+                        g.cc.0,
+                        g.cc.1,
+                        g.total_mem as f64 / (1u64 << 30) as f64,
+                        g.image.arch
+                    )
+                };
+                let mut line = format!(
+                    "{what}; start-up check: {} products against the CPU",
+                    g.checked
+                );
+                for (key, why) in &g.tc_off {
+                    line += &format!(
+                        "; tensor-core path {key} off, its products on the CUDA cores: the start-up check found {why}"
+                    );
+                }
+                line
+            }
             Err(why) => format!("CUDA: running on the CPU: {why}"),
         }
     }
@@ -3670,7 +3832,7 @@ pub fn place_model(
         } else {
             attention
         };
-        Ok(Some(format!(
+        let mut line = format!(
             "CUDA: VRAM tier {} of a {} budget: {} of {} dense matrices, {} of {} routed experts (most used first per layer); {attention}; the rest on the CPU",
             crate::inspect::human_bytes(tier::bytes(id)),
             crate::inspect::human_bytes(budget),
@@ -3678,7 +3840,13 @@ pub fn place_model(
             p.dense.1,
             p.experts.0,
             p.experts.1
-        )))
+        );
+        for (key, why) in &g.tc_off {
+            line += &format!(
+                "\nCUDA: tensor-core path {key} off, its products on the CUDA cores: the start-up check found {why}"
+            );
+        }
+        Ok(Some(line))
     }
     #[cfg(not(feature = "cuda"))]
     {

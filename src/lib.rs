@@ -10,6 +10,7 @@ pub mod bf16act;
 pub mod chat;
 pub mod commands;
 pub mod cpu;
+pub mod devcheck;
 pub mod engine;
 pub mod formats;
 pub mod generate;

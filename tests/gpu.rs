@@ -15,6 +15,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+use bespoke::devcheck::{self, magnitudes, CheckMatrix};
 use bespoke::gpu;
 use bespoke::plan::Format;
 use bespoke::{Matrix, Weights};
@@ -81,106 +82,16 @@ fn the_emulator_keeps_cuda_semantics() {
     }
 }
 
-struct Owned {
-    rows: usize,
-    cols: usize,
-    f32w: Vec<f32>,
-    bf16w: Vec<u16>,
-    bytes: Vec<u8>,
-    scale: Vec<u8>,
-    format: Format,
-}
-
-impl Owned {
-    fn new(format: Format, rows: usize, cols: usize, rng: &mut Rng) -> Owned {
-        let mut o = Owned {
-            rows,
-            cols,
-            f32w: vec![],
-            bf16w: vec![],
-            bytes: vec![],
-            scale: vec![],
-            format,
-        };
-        let sc = |rng: &mut Rng| 120 + rng.below(12) as u8;
-        match format {
-            Format::F32 => o.f32w = (0..rows * cols).map(|_| rng.unit()).collect(),
-            Format::Bf16 => {
-                o.bf16w = (0..rows * cols)
-                    .map(|_| bespoke::formats::f32_to_bf16(rng.unit()))
-                    .collect()
-            }
-            Format::Fp8 => {
-                // Any code but NaN (0x7F / 0xFF).
-                o.bytes = (0..rows * cols)
-                    .map(|_| {
-                        let b = rng.below(256) as u8;
-                        if b & 0x7F == 0x7F {
-                            0x7E
-                        } else {
-                            b
-                        }
-                    })
-                    .collect();
-                o.scale = (0..rows.div_ceil(128) * cols.div_ceil(128))
-                    .map(|_| sc(rng))
-                    .collect();
-            }
-            Format::Fp4 => {
-                o.bytes = (0..rows * cols / 2).map(|_| rng.below(256) as u8).collect();
-                o.scale = (0..rows * cols / 32).map(|_| sc(rng)).collect();
-            }
-        }
-        o
-    }
-    fn matrix(&self) -> Matrix<'_> {
-        let w = match self.format {
-            Format::F32 => Weights::F32(&self.f32w),
-            Format::Bf16 => Weights::Bf16(&self.bf16w),
-            Format::Fp8 => Weights::Fp8 {
-                w: &self.bytes,
-                scale: &self.scale,
-            },
-            Format::Fp4 => Weights::Fp4 {
-                w: &self.bytes,
-                scale: &self.scale,
-            },
-        };
-        Matrix::new(self.rows, self.cols, w).unwrap()
-    }
-}
-
-/// sum_c |w_rc x_c| for each output.
-fn magnitudes(m: &Matrix, x: &[f32], n: usize) -> Vec<f32> {
-    let (rows, cols) = (m.rows(), m.cols());
-    let mut out = vec![0f32; n * rows];
-    for j in 0..n {
-        for r in 0..rows {
-            let mut s = 0f64;
-            for c in 0..cols {
-                let w = bespoke::reference::weight(m, r, c) as f64
-                    * bespoke::reference::scale(m, r, c / m.format().block_cols().max(1)) as f64;
-                s += (w * x[j * cols + c] as f64).abs();
-            }
-            out[j * rows + r] = s as f32;
-        }
-    }
-    out
+/// A random matrix of `format` from the test's generator.
+fn random_matrix(format: Format, rows: usize, cols: usize, rng: &mut Rng) -> CheckMatrix {
+    CheckMatrix::random(format, rows, cols, &mut || rng.next_u64())
 }
 
 fn check(what: &str, got: &[f32], want: &[f32], mag: &[f32], rel: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let mut worst = 0f64;
-    for (i, ((&g, &w), &m)) in got.iter().zip(want).zip(mag).enumerate() {
-        let err = (g as f64 - w as f64).abs();
-        let bound = rel * m as f64 + 1e-30;
-        assert!(
-            err <= bound,
-            "{what}: output {i}: GPU {g} vs CPU {w} (|Δ| {err:e} > bound {bound:e})"
-        );
-        worst = worst.max(err / (m as f64).max(1e-30));
+    match devcheck::compare(got, want, mag, rel) {
+        Ok(worst) => println!("{what}: ok, worst |Δ| / Σ|wx| = {worst:.2e} (bound {rel:.2e})"),
+        Err(e) => panic!("{what}: {e}"),
     }
-    println!("{what}: ok, worst |Δ| / Σ|wx| = {worst:.2e} (bound {rel:.2e})");
 }
 
 const SHAPES: &[(usize, usize)] = &[(64, 64), (130, 256), (256, 1024), (1, 4096)];
@@ -197,8 +108,8 @@ fn cuda_core_kernels_on(g: &gpu::Gpu) {
     let dev = device_name(g);
     for f in [Format::F32, Format::Bf16, Format::Fp8, Format::Fp4] {
         for &(rows, cols) in SHAPES {
-            let o = Owned::new(f, rows, cols, &mut rng);
-            let m = o.matrix();
+            let o = random_matrix(f, rows, cols, &mut rng);
+            let m = o.matrix().unwrap();
             let d = g.upload_matrix(&m).unwrap();
             for n in [1usize, 3, 9] {
                 let x: Vec<f32> = (0..n * cols).map(|_| rng.unit() * 4.0).collect();
@@ -237,8 +148,8 @@ fn specialised_kernels_on(g: &gpu::Gpu) {
             .filter(|s| s.format == f && s.rows * s.cols <= 1 << 20)
             .take(2)
         {
-            let o = Owned::new(f, s.rows, s.cols, &mut rng);
-            let m = o.matrix();
+            let o = random_matrix(f, s.rows, s.cols, &mut rng);
+            let m = o.matrix().unwrap();
             let d = g.upload_matrix(&m).unwrap();
             for n in [1usize, 4] {
                 let x: Vec<f32> = (0..n * s.cols).map(|_| rng.unit()).collect();
@@ -349,8 +260,8 @@ fn tensor_core_paths_on(g: &gpu::Gpu) {
         for n in [1usize, 8, 13, 40] {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.unit() * 4.0).collect();
             for f in [Format::Bf16, Format::Fp8, Format::Fp4] {
-                let o = Owned::new(f, rows, cols, &mut rng);
-                let m = o.matrix();
+                let o = random_matrix(f, rows, cols, &mut rng);
+                let m = o.matrix().unwrap();
                 let d = g.upload_matrix(&m).unwrap();
                 let want = bespoke::reference::matmul(&m, &x, n);
                 let mag = magnitudes(&m, &x, n);
@@ -788,9 +699,9 @@ fn ffn_on(g: &gpu::Gpu) {
     let mut owned = Vec::new();
     for &(f, hidden, inter, n, _) in &cases {
         let mats = [
-            Owned::new(f, inter, hidden, &mut rng),
-            Owned::new(f, inter, hidden, &mut rng),
-            Owned::new(f, hidden, inter, &mut rng),
+            random_matrix(f, inter, hidden, &mut rng),
+            random_matrix(f, inter, hidden, &mut rng),
+            random_matrix(f, hidden, inter, &mut rng),
         ];
         let x: Vec<f32> = (0..n * hidden).map(|_| rng.unit() * 2.0).collect();
         owned.push((mats, x));
@@ -799,7 +710,7 @@ fn ffn_on(g: &gpu::Gpu) {
         .iter()
         .map(|(m, _)| {
             m.each_ref()
-                .map(|o| Arc::new(g.upload_matrix(&o.matrix()).unwrap()))
+                .map(|o| Arc::new(g.upload_matrix(&o.matrix().unwrap()).unwrap()))
         })
         .collect();
     let jobs: Vec<gpu::FfnJob> = cases
@@ -836,7 +747,7 @@ fn ffn_on(g: &gpu::Gpu) {
             );
         }
         let want = g.matmul(&kernel, &d[2], &act, n).unwrap();
-        let down = mats[2].matrix();
+        let down = mats[2].matrix().unwrap();
         let mag = magnitudes(&down, &act, n);
         check(
             &format!("{dev}: {f} expert {hidden}→{inter}→{hidden}, {n} tokens, clamp {limit:?}, whole on the GPU"),
@@ -1578,6 +1489,90 @@ fn activation_variants_take_the_tensor_cores() {
     }
     for (g, env) in devs {
         variants_on(g, &env);
+    }
+}
+
+/// The start-up check: a device whose kernels give wrong answers
+/// (`BESPOKE_CUDA_EMU_WRONG`, the emulator's) is not trusted with them. A
+/// tensor-core path that fails is turned off and its products run on the
+/// CUDA cores (whole layers still on the device); a CUDA-core product that
+/// fails keeps the engine on the CPU. Each run says which kernel failed,
+/// and gives the CPU's answer. Without the check the wrong kernel's products
+/// would reach the logits. (Emulator only: a GPU ignores the hook.)
+#[test]
+fn a_device_that_fails_its_start_up_check_is_not_trusted() {
+    let plan = |wrong: &str| {
+        let out = common::bespoke_command()
+            .arg("plan")
+            .envs([("BESPOKE_CUDA", "emu"), ("BESPOKE_CUDA_EMU_WRONG", wrong)])
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let text = plan("no kernel");
+    assert!(
+        text.contains("start-up check: 16 products against the CPU") && !text.contains(" off, "),
+        "{text}"
+    );
+    let text = plan("bs_tc_bf16_fp8");
+    assert!(
+        text.contains("tensor-core path mma_bf16 off, its products on the CUDA cores: \
+             the start-up check found bs_tc_bf16_fp8 (fp8 136×256, 3 tokens, BF16 activations): output 0: "),
+        "{text}"
+    );
+    for (model, flags, wrong, said, on_gpu) in [
+        (
+            "tiny-qwen3-moe",
+            &["--bf16-act", "bf16"][..],
+            "bs_tc_bf16",
+            "tensor-core path mma_bf16 off, its products on the CUDA cores: the start-up check found bs_tc_bf16_",
+            true,
+        ),
+        (
+            "tiny-dsv4",
+            &["--fp4-act", "q8"][..],
+            "bs_tc_q8",
+            "tensor-core path mma_int8 off, its products on the CUDA cores: the start-up check found bs_tc_q8_fp4",
+            true,
+        ),
+        (
+            "tiny-llama",
+            &[][..],
+            "bs_cu_matvec_f32",
+            "VRAM tier not used: --vram given, but the device failed its start-up check: \
+             bs_cu_matvec_f32 (f32 136×256, 1 token, f32 activations): output 0: ",
+            false,
+        ),
+    ] {
+        let (ok, cpu, err) = score_last(model, flags, &[("BESPOKE_CUDA", "off")]);
+        if !ok {
+            println!("{model} {flags:?}: not available on this CPU ({err}); not run");
+            continue;
+        }
+        let env = [("BESPOKE_CUDA", "emu"), ("BESPOKE_CUDA_EMU_WRONG", wrong)];
+        let (ok, out, err) = score_last(model, &[flags, &["--vram", "4"]].concat(), &env);
+        assert!(ok && err.contains(said), "{model} with {wrong}: {err}");
+        assert_eq!(
+            err.contains("CUDA: VRAM tier not used"),
+            !on_gpu,
+            "{model} with {wrong}: {err}"
+        );
+        if model == "tiny-qwen3-moe" {
+            assert!(whole_layers_run(&err) > 0, "{err}");
+        }
+        let ((a, lc), (b, lg)) = (last_logits(&cpu), last_logits(&out));
+        let dist = lc
+            .iter()
+            .zip(&lg)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert_eq!(a, b, "{model} with {wrong}: greedy choices");
+        assert!(
+            dist < if on_gpu { 1e-3 } else { 0.0 + f64::MIN_POSITIVE },
+            "{model} with {wrong}: logits moved by {dist}"
+        );
+        println!("{model} {flags:?} with {wrong}: turned away, the CPU's answer within {dist:.1e}");
     }
 }
 

@@ -129,7 +129,7 @@ e2e() { # model, mode, extra bench flags
       fi ;;
     cpu) BESPOKE_CUDA=off $bin bench e2e --model "$m" "$@" > "$log" 2>&1 || fail=1 ;;
   esac
-  grep -E "^threads|VRAM tier|failed|ran on the GPU" "$log" >> "$summary"
+  grep -E "^threads|VRAM tier|failed|ran on the GPU|tensor-core path" "$log" >> "$summary"
 }
 echo -e "\n## bespoke bench e2e: fixtures, --vram 8, then the CPU\n\n\`\`\`" >> "$summary"
 for m in tiny-dsv4 tiny-qwen3-moe tiny-llama; do
@@ -161,7 +161,7 @@ if [ -f "$bench_moe/model.safetensors" ] || python3 tools/make_bench_model.py --
   e2e "$bench_moe" gpu --prompt-len 128 --gen 32
   echo "(--vram 0.8: part of the experts)" >> "$summary"
   $bin bench e2e --model "$bench_moe" --vram 0.8 --prompt-len 128 --gen 32 > "$out/e2e-moe-part.log" 2>&1 || fail=1
-  grep -E "^threads|VRAM tier|failed|ran on the GPU" "$out/e2e-moe-part.log" >> "$summary"
+  grep -E "^threads|VRAM tier|failed|ran on the GPU|tensor-core path" "$out/e2e-moe-part.log" >> "$summary"
   for mode in blocks cpu; do e2e "$bench_moe" $mode --prompt-len 128 --gen 32; done
   echo '```' >> "$summary"
 else
