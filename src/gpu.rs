@@ -293,7 +293,7 @@ mod imp {
         /// off, each with what it found: their products run on the CUDA
         /// cores.
         pub tc_off: TcOff,
-        /// How many products the start-up check ran against the CPU.
+        /// How many launches the start-up check compared with the CPU.
         pub checked: usize,
     }
 
@@ -1984,12 +1984,13 @@ mod imp {
         /// `mma.sync` BF16 and INT8 where this image has them), against
         /// the CPU reference on the same activations within
         /// [`devcheck::core_rel`] (the tensor cores within 2^-10, as they
-        /// may sum in an order and a rounding of their own). So a kernel
-        /// that misreads a layout on this device (none of this code ran
-        /// on a GPU before it was shipped) is caught before it gives a
-        /// wrong answer. Ok: the tensor-core paths that failed (to be
-        /// turned off) with what each did, and how many products ran. Err:
-        /// a CUDA-core product failed (the device is not used).
+        /// may sum in an order and a rounding of their own); then
+        /// attention ([`Gpu::check_attention`]). So a kernel that misreads
+        /// a layout on this device (none of this code ran on a GPU before
+        /// it was shipped) is caught before it gives a wrong answer. Ok:
+        /// the tensor-core paths that failed (to be turned off) with what
+        /// each did, and how many launches ran. Err: a CUDA-core product or
+        /// attention failed (the device is not used).
         fn startup_check(&self) -> Result<(TcOff, usize), String> {
             use crate::devcheck::{compare, core_rel, magnitudes, unit, CheckMatrix};
             let mut seed = 0x5EED_u64;
@@ -2061,7 +2062,99 @@ mod imp {
                     }
                 }
             }
+            count += self.check_attention(&mut next)?;
             Ok((off, count))
+        }
+
+        /// The start-up check's attention: a decode step (grouped heads,
+        /// sinks) and a causal prefill step of 3 queries, against the CPU
+        /// reference within 1e-4 (outputs are averages of values in
+        /// [-1, 1)). Ok: how many it ran.
+        fn check_attention(&self, next: &mut dyn FnMut() -> u64) -> Result<usize, String> {
+            use crate::devcheck::unit;
+            let (hd, h, kvh, t_len) = (64usize, 8usize, 2usize, 37usize);
+            let stride = kvh * hd;
+            let mut draw = |n: usize| -> Vec<f32> { (0..n).map(|_| unit(next())).collect() };
+            let (q, k, v, sinks) = (
+                draw(3 * h * hd),
+                draw(t_len * stride),
+                draw(t_len * stride),
+                draw(h),
+            );
+            let base = crate::AttnArgs {
+                q: &q[..h * hd],
+                k: &k,
+                v: &v,
+                sinks: None,
+                n_heads: h,
+                n_kv_heads: kvh,
+                head_dim: hd,
+                kv_stride: stride,
+                kv_head_stride: hd,
+                t_len,
+                window: 0,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            let close = |what: &str, got: &[f32], want: &[f32]| -> Result<(), String> {
+                let bad = |(a, b): (&f32, &f32)| (a - b).abs().is_nan() || (a - b).abs() > 1e-4;
+                match got.iter().zip(want).position(bad) {
+                    _ if got.len() != want.len() => Err(format!(
+                        "{what}: {} outputs, expected {}",
+                        got.len(),
+                        want.len()
+                    )),
+                    Some(i) => Err(format!(
+                        "{what} (head_dim {hd}, {h} heads, {kvh} KV heads): output {i}: {} \
+                         where the CPU gives {} (bound 1e-4)",
+                        got[i], want[i]
+                    )),
+                    None => Ok(()),
+                }
+            };
+            let got = self.attn_decode(
+                "bs_cu_attn_decode",
+                base.q,
+                &k,
+                &v,
+                Some(&sinks),
+                h,
+                kvh,
+                hd,
+                stride,
+                t_len,
+                0,
+                base.scale,
+            )?;
+            let want = crate::reference::attn_decode(&crate::AttnArgs {
+                sinks: Some(&sinks),
+                ..base
+            });
+            close("bs_cu_attn_decode", &got, &want)?;
+            // Query j over positions 0 .. t0 + j - 1.
+            let t0 = t_len - 2;
+            let got = self.attn_causal(
+                "bs_cu_attn_causal",
+                &q,
+                &k,
+                &v,
+                h,
+                kvh,
+                hd,
+                stride,
+                t0,
+                base.scale,
+            )?;
+            let want: Vec<f32> = (0..3)
+                .flat_map(|j| {
+                    crate::reference::attn_decode(&crate::AttnArgs {
+                        q: &q[j * h * hd..(j + 1) * h * hd],
+                        t_len: t0 + j,
+                        ..base
+                    })
+                })
+                .collect();
+            close("bs_cu_attn_causal", &got, &want)?;
+            Ok(2)
         }
 
         /// The kernel a product of `n` tokens runs: the tensor-core kernel
@@ -3514,7 +3607,7 @@ pub fn status_line() -> String {
                     )
                 };
                 let mut line = format!(
-                    "{what}; start-up check: {} products against the CPU",
+                    "{what}; start-up check: {} launches against the CPU reference",
                     g.checked
                 );
                 for (key, why) in &g.tc_off {

@@ -1495,8 +1495,8 @@ fn activation_variants_take_the_tensor_cores() {
 /// The start-up check: a device whose kernels give wrong answers
 /// (`BESPOKE_CUDA_EMU_WRONG`, the emulator's) is not trusted with them. A
 /// tensor-core path that fails is turned off and its products run on the
-/// CUDA cores (whole layers still on the device); a CUDA-core product that
-/// fails keeps the engine on the CPU. Each run says which kernel failed,
+/// CUDA cores (whole layers still on the device); a CUDA-core product or
+/// an attention kernel that fails keeps the engine on the CPU. Each run says which kernel failed,
 /// and gives the CPU's answer. Without the check the wrong kernel's products
 /// would reach the logits. (Emulator only: a GPU ignores the hook.)
 #[test]
@@ -1512,7 +1512,13 @@ fn a_device_that_fails_its_start_up_check_is_not_trusted() {
     };
     let text = plan("no kernel");
     assert!(
-        text.contains("start-up check: 16 products against the CPU") && !text.contains(" off, "),
+        text.contains("start-up check: 18 launches against the CPU reference")
+            && !text.contains(" off, "),
+        "{text}"
+    );
+    let text = plan("bs_cu_attn_causal");
+    assert!(
+        text.contains("CUDA: running on the CPU: the device failed its start-up check: bs_cu_attn_causal (head_dim 64"),
         "{text}"
     );
     let text = plan("bs_tc_bf16_fp8");
