@@ -10,8 +10,13 @@
 #       for an H100/H200; one arch keeps the binaries small).
 #   tools/gpu-check.sh --prebuilt DIR [OUTDIR]
 #       run the binaries a --package made (from the repository root).
+#       A package for one arch is about 50 MB stripped (sm_90a, 2026-12):
+#       where the copy to the GPU machine is size-limited, `tar cJf` it
+#       here and unpack it there. Rehearsed from another root with no
+#       /work and no /tmp/pkg-target (the paths the binaries were built
+#       with): the tests find the fixtures and `bespoke` as they do here.
 #
-# What runs, with a GPU required (BESPOKE_REQUIRE_GPU=1):
+# What runs, with a GPU required (BESPOKE_REQUIRE_GPU=1), in this order:
 #   * tests/gpu.rs: every CUDA-core kernel (4 formats, matvec and matmul,
 #     generic and specialised) and every tensor-core path the device's image
 #     has, against the CPU reference within their bounds; fp4×q8 on INT8
@@ -24,8 +29,12 @@
 #     matrix in the VRAM tier, attention, DeepSeek V4's indexers and every
 #     SwiGLU block on the GPU (BESPOKE_TEST_VRAM): token-exact against
 #     transformers;
-#   * `bespoke plan`, and `bespoke bench gpu` (GB/s against the card's peak,
-#     matrices and attention).
+#   * `bespoke plan` (its CUDA side: the images, the tensor-core paths, the
+#     device and what its start-up check found), and `bespoke bench gpu`
+#     (GB/s against the card's peak, matrices and attention), both after
+#     tests/gpu.rs and before the oracles;
+#   * `bench e2e` of the fixtures and of two generated models (the GPU, the
+#     GPU block by block, the CPU), then tests/cli.rs.
 # It writes OUTDIR/summary.md (default target/gpu-check) and the logs beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,8 +53,12 @@ package() {
     [ -n "$exe" ] || { echo "gpu-check: no test binary for $t" >&2; exit 1; }
     cp "$exe" "$dir/test-$t"
   done
-  cp target/release/bespoke "$dir/bespoke"
+  cp "${CARGO_TARGET_DIR:-target}/release/bespoke" "$dir/bespoke"
   echo "$root" > "$dir/manifest_dir"
+  # Where the test binaries look for `bespoke` (CARGO_BIN_EXE_bespoke, baked in).
+  echo "$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/release/bespoke" > "$dir/bin_path"
+  # Symbols are not needed to run them: a smaller package travels faster.
+  if command -v strip > /dev/null; then strip "$dir"/test-* "$dir/bespoke"; fi
   echo "gpu-check: packaged into $dir ($(du -sh "$dir" | cut -f1)); run tools/gpu-check.sh --prebuilt $dir on the GPU machine"
 }
 
@@ -80,6 +93,10 @@ if [ -n "$prebuilt" ]; then
   fi
   mkdir -p target/release
   cp "$prebuilt/bespoke" target/release/bespoke
+  binpath=$(cat "$prebuilt/bin_path" 2>/dev/null || echo "$baked/target/release/bespoke")
+  if [ ! -e "$binpath" ]; then
+    mkdir -p "$(dirname "$binpath")" && cp "$prebuilt/bespoke" "$binpath"
+  fi
   bin=target/release/bespoke
   runtest() { "$prebuilt/test-$1" --test-threads=1 --nocapture; }
 else
@@ -92,13 +109,19 @@ else
 fi
 
 export BESPOKE_REQUIRE_GPU=1 BESPOKE_TEST_VRAM=${BESPOKE_TEST_VRAM:-8}
-echo -e "\n## Tests (GPU required; fixture oracles with the weights in VRAM)\n" >> "$summary"
-for t in "${tests[@]}"; do
-  if runtest "$t" > "$out/test-$t.log" 2>&1; then r=passed; else r=FAILED; fail=1; fi
-  echo "- $t: $r — $(grep -E '^test result' "$out/test-$t.log" | tail -1)" >> "$summary"
-  # (tests/gpu.rs runs its checks on the CPU emulator too: only the GPU's lines here)
-  grep -E "worst|bit-identical|bit for bit|ok \(|attention hd|bs_cu_attn_|greedy|SwiGLU blocks|layers run whole|RMSNorm" "$out/test-$t.log" | grep -v "emulator" | sed 's/^/    /' >> "$summary"
-done
+# The summary grows step by step, most telling first (the kernels against
+# the CPU, the plan and the start-up check, the card's GB/s), so a run cut
+# short still says the most it can.
+tests_of() { # test names
+  for t in "$@"; do
+    if runtest "$t" > "$out/test-$t.log" 2>&1; then r=passed; else r=FAILED; fail=1; fi
+    echo "- $t: $r — $(grep -E '^test result' "$out/test-$t.log" | tail -1)" >> "$summary"
+    # (tests/gpu.rs runs its checks on the CPU emulator too: only the GPU's lines here)
+    grep -E "worst|bit-identical|bit for bit|ok \(|attention hd|bs_cu_attn_|greedy|SwiGLU blocks|layers run whole|RMSNorm|turned away" "$out/test-$t.log" | grep -v "emulator" | sed 's/^/    /' >> "$summary"
+  done
+}
+echo -e "\n## Tests (GPU required)\n" >> "$summary"
+tests_of gpu
 
 echo -e "\n## bespoke plan (CUDA side)\n\n\`\`\`" >> "$summary"
 $bin plan 2>&1 | sed -n '/^CUDA build/,$p' >> "$summary"
@@ -109,6 +132,9 @@ if ! $bin bench gpu --json "$out/bench-gpu.json" >> "$summary" 2> "$out/bench-gp
   fail=1; tail -5 "$out/bench-gpu.err" >> "$summary"
 fi
 echo '```' >> "$summary"
+
+echo -e "\n## Tests: fixture oracles with the weights in VRAM\n" >> "$summary"
+tests_of engine dsv4
 
 # A whole model, weights and attention in VRAM against the CPU: on a fixture
 # this small the time is the launches' and the waits', which the SwiGLU
@@ -167,5 +193,7 @@ if [ -f "$bench_moe/model.safetensors" ] || python3 tools/make_bench_model.py --
 else
   echo -e "\n(no bench Qwen3-MoE: $(tail -1 "$out/make-bench-moe.log"))" >> "$summary"
 fi
+echo -e "\n## Tests: the CLI\n" >> "$summary"
+tests_of cli
 cat "$summary"
 exit $fail
