@@ -117,7 +117,7 @@ tests_of() { # test names
     if runtest "$t" > "$out/test-$t.log" 2>&1; then r=passed; else r=FAILED; fail=1; fi
     echo "- $t: $r — $(grep -E '^test result' "$out/test-$t.log" | tail -1)" >> "$summary"
     # (tests/gpu.rs runs its checks on the CPU emulator too: only the GPU's lines here)
-    grep -E "worst|bit-identical|bit for bit|ok \(|attention hd|bs_cu_attn_|greedy|SwiGLU blocks|layers run whole|RMSNorm|turned away" "$out/test-$t.log" | grep -v "emulator" | sed 's/^/    /' >> "$summary"
+    grep -E "worst|bit-identical|bit for bit|ok \(|attention hd|bs_cu_attn_|greedy|SwiGLU blocks|layers run whole|RMSNorm|turned away|start-up check" "$out/test-$t.log" | grep -v "emulator" | sed 's/^/    /' >> "$summary"
   done
 }
 echo -e "\n## Tests (GPU required)\n" >> "$summary"
