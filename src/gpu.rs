@@ -1978,8 +1978,9 @@ mod imp {
 
         /// Before the engine trusts the device: every kind of product it
         /// would run there, on a small random matrix of each format (136 ×
-        /// 256: a partial last tile, two FP8 scale blocks each way), for 1
-        /// and 3 tokens, f32 activations and each variant's (BF16; int8 on
+        /// 256: a partial last tile, two FP8 scale blocks each way), for 1,
+        /// 3 and 11 tokens (the tensor cores' 8-token tiles: one partial,
+        /// then one whole and one partial), f32 activations and each variant's (BF16; int8 on
         /// FP4), through the kernel the engine would pick (CUDA cores,
         /// `mma.sync` BF16 and INT8 where this image has them), against
         /// the CPU reference on the same activations within
@@ -2001,7 +2002,7 @@ mod imp {
                 z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
                 z ^ (z >> 31)
             };
-            let (rows, cols, nmax) = (136usize, 256usize, 3usize);
+            let (rows, cols, nmax) = (136usize, 256usize, 11usize);
             let x: Vec<f32> = (0..nmax * cols).map(|_| unit(next()) * 4.0).collect();
             let xd = self.htod(&x, "copying the check's activations")?;
             let mut y = self.zeros::<f32>(nmax * rows)?;
@@ -2022,7 +2023,7 @@ mod imp {
                         specialised: false,
                         act,
                     };
-                    for n in [1, nmax] {
+                    for n in [1, 3, nmax] {
                         let k = self.product_kernel(&p, n)?;
                         let xs = &x[..n * cols];
                         let xr = variant_activations(act, xs, cols)?;

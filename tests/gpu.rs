@@ -98,7 +98,7 @@ fn the_start_up_check_passes() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success()
-            && text.contains("start-up check: 18 launches against the CPU reference")
+            && text.contains("start-up check: 26 launches against the CPU reference")
             && !text.contains(" off, "),
         "{text}"
     );
