@@ -1178,11 +1178,7 @@ fn score_prompt_against_the_cpu(
         check(dev, &err);
         let (am, l) = last_logits(&out);
         assert_eq!(am, cpu.0, "{name} on the {dev}: greedy choices");
-        let dist = l
-            .iter()
-            .zip(&cpu.1)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f64::max);
+        let dist = largest_difference(&l, &cpu.1);
         assert!(dist < 1e-3, "{name} on the {dev}: logits moved by {dist}");
         println!(
             "{name} {flags:?} on the {dev}: the CPU's greedy choices, logits within {dist:.1e}"
@@ -1447,6 +1443,14 @@ fn whole_layers_run(err: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// The largest |a_i - b_i|.
+fn largest_difference(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max)
+}
+
 /// `score --json --logits last` output: (argmax per position, last logits).
 fn last_logits(out: &str) -> (Vec<serde_json::Value>, Vec<f64>) {
     let v: serde_json::Value = serde_json::from_str(out).unwrap();
@@ -1595,14 +1599,10 @@ fn a_device_that_fails_its_start_up_check_is_not_trusted() {
             assert!(whole_layers_run(&err) > 0, "{err}");
         }
         let ((a, lc), (b, lg)) = (last_logits(&cpu), last_logits(&out));
-        let dist = lc
-            .iter()
-            .zip(&lg)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f64::max);
+        let dist = largest_difference(&lc, &lg);
         assert_eq!(a, b, "{model} with {wrong}: greedy choices");
         assert!(
-            dist < if on_gpu { 1e-3 } else { 0.0 + f64::MIN_POSITIVE },
+            if on_gpu { dist < 1e-3 } else { dist == 0.0 },
             "{model} with {wrong}: logits moved by {dist}"
         );
         println!("{model} {flags:?} with {wrong}: turned away, the CPU's answer within {dist:.1e}");
@@ -1644,11 +1644,7 @@ fn variants_on(g: &gpu::Gpu, env: &[(&str, &str)]) {
             "{dev}: {model} {flag} {value}: {err}"
         );
         let ((a, lc), (b, lg)) = (last_logits(&cpu), last_logits(&gpu_out));
-        let dist = lc
-            .iter()
-            .zip(&lg)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f64::max);
+        let dist = largest_difference(&lc, &lg);
         let scale = lc.iter().map(|x| x.abs()).fold(0.0, f64::max);
         assert!(
             dist < 5e-3 * scale,
