@@ -95,15 +95,32 @@ pub enum GpuAct {
     /// int8 activations (fp4×q8): the INT8 tensor-core kernel, which is the
     /// CPU's fp4×q8 bit for bit.
     Q8,
+    /// DeepSeek's simulated FP8 activations of an FP8 or FP4 product
+    /// (`--numerics deepseek`: `engine::fp8_act_quant`), made on the device
+    /// (`bs_cu_round_fp8sim`) for the CUDA-core kernels.
+    Fp8Sim,
+}
+
+impl GpuAct {
+    /// How the start-up check and the errors name the activations.
+    pub fn label(self) -> &'static str {
+        match self {
+            GpuAct::F32 => "f32",
+            GpuAct::Bf16 => "BF16",
+            GpuAct::Q8 => "int8",
+            GpuAct::Fp8Sim => "DeepSeek's FP8-simulated",
+        }
+    }
 }
 
 /// X as the CPU variant of `act` sees it, for a product that runs on the
 /// CUDA cores (f32 sums): rounded to BF16 (bf16dot, fp8dot, amx), or
 /// quantized to int8 per 32 columns and taken back as q · d (fp4×q8). So a
 /// variant's numerics on the GPU do not change with the token count or the
-/// shape, only the order of its sums. None: f32 activations, X as it is.
-/// The definition the device's `bs_cu_round_bf16` and `bs_cu_round_q8`
-/// are held to, bit for bit (tests/gpu.rs).
+/// shape, only the order of its sums. DeepSeek's FP8-simulated ones:
+/// `engine::fp8_act_quant`. None: f32 activations, X as it is. The
+/// definition the device's `bs_cu_round_bf16`, `bs_cu_round_q8` and
+/// `bs_cu_round_fp8sim` are held to, bit for bit (tests/gpu.rs).
 pub fn variant_activations(
     act: GpuAct,
     x: &[f32],
@@ -125,6 +142,7 @@ pub fn variant_activations(
             }
             Ok(Some(out))
         }
+        GpuAct::Fp8Sim => Ok(Some(crate::engine::fp8_act_quant(x, cols))),
     }
 }
 
@@ -1980,8 +1998,9 @@ mod imp {
         /// would run there, on a small random matrix of each format (136 ×
         /// 256: a partial last tile, two FP8 scale blocks each way), for 1,
         /// 3 and 11 tokens (the tensor cores' 8-token tiles: one partial,
-        /// then one whole and one partial), f32 activations and each variant's (BF16; int8 on
-        /// FP4), through the kernel the engine would pick (CUDA cores,
+        /// then one whole and one partial), f32 activations and each
+        /// variant's (BF16; int8 on FP4; DeepSeek's FP8-simulated on FP8
+        /// and FP4), through the kernel the engine would pick (CUDA cores,
         /// `mma.sync` BF16 and INT8 where this image has them), against
         /// the CPU reference on the same activations within
         /// [`devcheck::core_rel`] (the tensor cores within 2^-10, as they
@@ -2014,8 +2033,9 @@ mod imp {
                 let mat = Arc::new(self.upload_matrix(&m)?);
                 let acts: &[GpuAct] = match f {
                     Format::F32 => &[GpuAct::F32],
-                    Format::Bf16 | Format::Fp8 => &[GpuAct::F32, GpuAct::Bf16],
-                    Format::Fp4 => &[GpuAct::F32, GpuAct::Bf16, GpuAct::Q8],
+                    Format::Bf16 => &[GpuAct::F32, GpuAct::Bf16],
+                    Format::Fp8 => &[GpuAct::F32, GpuAct::Bf16, GpuAct::Fp8Sim],
+                    Format::Fp4 => &[GpuAct::F32, GpuAct::Bf16, GpuAct::Q8, GpuAct::Fp8Sim],
                 };
                 for &act in acts {
                     let p = DevProduct {
@@ -2041,11 +2061,7 @@ mod imp {
                         let what = format!(
                             "{k} ({f} {rows}×{cols}, {n} token{}, {} activations): {e}",
                             if n == 1 { "" } else { "s" },
-                            match act {
-                                GpuAct::F32 => "f32",
-                                GpuAct::Bf16 => "BF16",
-                                GpuAct::Q8 => "int8",
-                            }
+                            act.label()
                         );
                         match (tc, act) {
                             (false, _) => return Err(what),
@@ -2184,8 +2200,8 @@ mod imp {
         /// y = W · x for `n` tokens on the device with the product's kernel
         /// ([`Gpu::product_kernel`]); a CUDA-core product of an activation
         /// variant reads x as the CPU variant gives it, made on the device
-        /// (`bs_cu_round_bf16`, `bs_cu_round_q8`: [`variant_activations`]
-        /// bit for bit) into a buffer of its own.
+        /// (`bs_cu_round_bf16`, `bs_cu_round_q8`, `bs_cu_round_fp8sim`:
+        /// [`variant_activations`] bit for bit) into a buffer of its own.
         fn product(
             &self,
             p: &DevProduct,
@@ -2238,7 +2254,8 @@ mod imp {
         /// out = x (`n` rows of `cols`) as activations `act` give it:
         /// rounded to BF16 as `bf16act::round` rounds (`bs_cu_round_bf16`),
         /// or quantized to int8 per 32 columns and taken back, q · d, as
-        /// `q8::Q8Act` does (`bs_cu_round_q8`); f32: copied.
+        /// `q8::Q8Act` does (`bs_cu_round_q8`), or as DeepSeek's inference
+        /// simulates FP8 (`bs_cu_round_fp8sim`); f32: copied.
         fn variant_x(
             &self,
             act: GpuAct,
@@ -2276,6 +2293,16 @@ mod imp {
                 GpuAct::Q8 => Err(format!(
                     "int8 activations of {cols} columns: whole blocks of 32 only"
                 )),
+                GpuAct::Fp8Sim => {
+                    let mut args = vec![
+                        Arg::F32(x),
+                        Arg::F32Out(out),
+                        Arg::I32(cols as i32),
+                        Arg::I32(n as i32),
+                    ];
+                    let blocks = (cols.div_ceil(128) * n).div_ceil(4).max(1) as u32;
+                    self.run("bs_cu_round_fp8sim", blocks128(blocks, 1), &mut args)
+                }
             }
         }
 

@@ -1707,14 +1707,42 @@ impl Kernels {
     /// A SwiGLU expert's (gate, up, down) device products for one job on
     /// the GPU ([`crate::gpu::FfnJob`]): Some where all three matrices are
     /// resident in this engine's VRAM tier and the device can give each
-    /// its activations ([`Kernels::gpu_product`]).
+    /// its activations ([`Kernels::gpu_product_q`], `act_quant` as there).
     #[cfg(feature = "cuda")]
-    pub fn ffn_mats(&self, mats: [&Matrix; 3], n: usize) -> Option<[crate::gpu::DevProduct; 3]> {
+    pub fn ffn_mats(
+        &self,
+        mats: [&Matrix; 3],
+        n: usize,
+        act_quant: bool,
+    ) -> Option<[crate::gpu::DevProduct; 3]> {
         Some([
-            self.gpu_product(mats[0], n)?,
-            self.gpu_product(mats[1], n)?,
-            self.gpu_product(mats[2], n)?,
+            self.gpu_product_q(mats[0], n, act_quant)?,
+            self.gpu_product_q(mats[1], n, act_quant)?,
+            self.gpu_product_q(mats[2], n, act_quant)?,
         ])
+    }
+
+    /// [`Kernels::gpu_product`], where `act_quant` (DeepSeek V4's
+    /// `--numerics deepseek`) asks for DeepSeek's simulated FP8
+    /// activations before an FP8 or FP4 product: the device makes them
+    /// (`GpuAct::Fp8Sim`) where the product would take f32 ones. None
+    /// where it takes an activation variant's as well (`--fp4-act q8`,
+    /// say): that product goes on its own, its activations made on the CPU.
+    #[cfg(feature = "cuda")]
+    pub fn gpu_product_q(
+        &self,
+        m: &Matrix,
+        n: usize,
+        act_quant: bool,
+    ) -> Option<crate::gpu::DevProduct> {
+        let mut p = self.gpu_product(m, n)?;
+        if act_quant && matches!(m.format(), Format::Fp8 | Format::Fp4) {
+            if p.act != crate::gpu::GpuAct::F32 {
+                return None;
+            }
+            p.act = crate::gpu::GpuAct::Fp8Sim;
+        }
+        Some(p)
     }
 
     /// `m` on the GPU for a product of `n` tokens: its device copy, whether
@@ -1757,32 +1785,8 @@ impl Kernels {
         }
         let x_of = |i: usize| xs[if xs.len() == 1 { 0 } else { i }];
         #[cfg(feature = "cuda")]
-        if self.tier != 0 && ms.len() > 1 {
-            let fits = ms
-                .iter()
-                .zip(ys.iter())
-                .enumerate()
-                .all(|(i, (m, y))| x_of(i).len() == n * m.cols && y.len() == n * m.rows);
-            let mats: Option<Vec<_>> = ms.iter().map(|m| self.gpu_product(m, n)).collect();
-            if let (true, Some(mats)) = (fits, mats) {
-                match crate::gpu::tier::products(self.tier, &mats, xs, n) {
-                    Ok(outs) if outs.len() == ys.len() => {
-                        for (y, o) in ys.iter_mut().zip(outs) {
-                            y.copy_from_slice(&o);
-                        }
-                        return Ok(());
-                    }
-                    res => {
-                        let e = res
-                            .err()
-                            .unwrap_or_else(|| "another count of outputs".into());
-                        static SAID: std::sync::Once = std::sync::Once::new();
-                        SAID.call_once(|| {
-                            eprintln!("CUDA: a list of products on the GPU failed ({e}); running them one by one")
-                        });
-                    }
-                }
-            }
+        if ms.len() > 1 && self.gpu_list(ms, xs, n, ys, false) {
+            return Ok(());
         }
         for (i, (m, y)) in ms.iter().zip(ys.iter_mut()).enumerate() {
             if n == 1 {
@@ -1792,6 +1796,59 @@ impl Kernels {
             }
         }
         Ok(())
+    }
+
+    /// `ys[i] = ms[i] · X` on the GPU, queued together (each X uploaded
+    /// once, one wait for all: `gpu::tier::products`), where this engine's
+    /// VRAM tier holds every matrix and the device can give each its
+    /// activations ([`Kernels::gpu_product_q`], `act_quant` as there). true:
+    /// done; false: not tried, or failed (said once), and the caller runs
+    /// them its own way.
+    #[cfg(feature = "cuda")]
+    pub fn gpu_list(
+        &self,
+        ms: &[&Matrix],
+        xs: &[&[f32]],
+        n: usize,
+        ys: &mut [&mut [f32]],
+        act_quant: bool,
+    ) -> bool {
+        if self.tier == 0 || ms.len() != ys.len() || !(xs.len() == 1 || xs.len() == ms.len()) {
+            return false;
+        }
+        let x_of = |i: usize| xs[if xs.len() == 1 { 0 } else { i }];
+        let fits = ms
+            .iter()
+            .zip(ys.iter())
+            .enumerate()
+            .all(|(i, (m, y))| x_of(i).len() == n * m.cols && y.len() == n * m.rows);
+        let mats: Option<Vec<_>> = ms
+            .iter()
+            .map(|m| self.gpu_product_q(m, n, act_quant))
+            .collect();
+        let (true, Some(mats)) = (fits, mats) else {
+            return false;
+        };
+        match crate::gpu::tier::products(self.tier, &mats, xs, n) {
+            Ok(outs) if outs.len() == ys.len() => {
+                for (y, o) in ys.iter_mut().zip(outs) {
+                    y.copy_from_slice(&o);
+                }
+                true
+            }
+            res => {
+                let e = res
+                    .err()
+                    .unwrap_or_else(|| "another count of outputs".into());
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| {
+                    eprintln!(
+                        "CUDA: a list of products on the GPU failed ({e}); running them one by one"
+                    )
+                });
+                false
+            }
+        }
     }
 
     /// y = W x.

@@ -112,6 +112,8 @@ fn check_ptx(arch: Arch, tc_off: bool, version: (u32, u32), ptx: &str) -> Vec<St
         "bs_cu_rope",
         "bs_cu_add",
         "bs_cu_round_bf16",
+        "bs_cu_round_q8",
+        "bs_cu_round_fp8sim",
     ] {
         if !ptx.contains(&format!(".entry {k}(")) {
             bad.push(format!("{arch}: kernel {k} missing from the PTX"));
@@ -362,6 +364,8 @@ fn the_emulator_gets_the_cuda_core_kernels_and_a_table_of_them() {
         "bs_cu_rope",
         "bs_cu_add",
         "bs_cu_round_bf16",
+        "bs_cu_round_q8",
+        "bs_cu_round_fp8sim",
     ] {
         assert!(names.contains(&k.to_string()), "{k} missing from {names:?}");
     }

@@ -98,7 +98,7 @@ fn the_start_up_check_passes() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success()
-            && text.contains("start-up check: 26 launches against the CPU reference")
+            && text.contains("start-up check: 32 launches against the CPU reference")
             && !text.contains(" off, "),
         "{text}"
     );
@@ -860,7 +860,68 @@ fn ffn_on(g: &gpu::Gpu) {
     variant_products_on(g, dev, &dev_mats[0][0], x, n, gpu::GpuAct::Bf16);
     let (n4, x4) = (cases[2].3, &owned[2].1);
     variant_products_on(g, dev, &dev_mats[2][0], x4, n4, gpu::GpuAct::Q8);
+    // DeepSeek's simulated FP8 activations (`--numerics deepseek`), on FP4
+    // and FP8 weights.
+    variant_products_on(g, dev, &dev_mats[2][0], x4, n4, gpu::GpuAct::Fp8Sim);
+    variant_products_on(g, dev, &dev_mats[1][0], &owned[1].1, 1, gpu::GpuAct::Fp8Sim);
     bf16_rounding_on(g, dev);
+    fp8sim_rounding_on(g, dev);
+}
+
+/// `bs_cu_round_fp8sim` through an identity matrix, bit for bit
+/// `engine::fp8_act_quant`: a block of 128 whose largest is 448 (scale 1),
+/// with E4M3 ties (17 to 16, 19 to 20), subnormals, signed zeros and the
+/// clamp; and a partial block of 32 below the 1e-4 floor of its scale.
+fn fp8sim_rounding_on(g: &gpu::Gpu, dev: &str) {
+    use bespoke::gpu::{DevProduct, GpuAct};
+    let cols = 160;
+    let mut vals: Vec<f32> = (0..cols)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.37)
+        .collect();
+    let edge = [
+        448.0f32,
+        -448.0,
+        17.0,
+        19.0,
+        -0.0,
+        0.0,
+        1.5 * 2f32.powi(-9),
+        2.5 * 2f32.powi(-9),
+        1e-3,
+        -300.0,
+        0.1,
+    ];
+    vals[..edge.len()].copy_from_slice(&edge);
+    for (i, v) in vals[128..].iter_mut().enumerate() {
+        *v = (i as f32 - 15.5) * 3e-8;
+    }
+    let mut eye = vec![0f32; cols * cols];
+    for i in 0..cols {
+        eye[i * cols + i] = 1.0;
+    }
+    let m = Matrix::new(cols, cols, Weights::F32(&eye)).unwrap();
+    let id = DevProduct {
+        mat: std::sync::Arc::new(g.upload_matrix(&m).unwrap()),
+        specialised: false,
+        act: GpuAct::Fp8Sim,
+    };
+    let got = g
+        .ffn_finish(g.products_start(&[id], &[&vals], 1).unwrap())
+        .unwrap();
+    let want = gpu::variant_activations(GpuAct::Fp8Sim, &vals, cols)
+        .unwrap()
+        .unwrap();
+    assert_ne!(want, vals, "{dev}: FP8-simulated activations change X");
+    assert_eq!((want[2], want[3]), (16.0, 20.0), "the ties, to even");
+    for (i, (&y, &w)) in got[0].iter().zip(&want).enumerate() {
+        assert_eq!(
+            y.to_bits(),
+            (w + 0.0).to_bits(),
+            "{dev}: FP8-simulated value {i} ({:e}): {y:e}, expected {w:e}",
+            vals[i]
+        );
+    }
+    println!("{dev}: DeepSeek's FP8-simulated activations: bit for bit");
 }
 
 /// Queued products with an activation variant's activations (for a layer
@@ -1441,6 +1502,48 @@ fn whole_layers_run(err: &str) -> u64 {
         .and_then(|l| l.split(' ').next())
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
+}
+
+/// `--numerics deepseek` (DeepSeek V4 with FP8-simulated activations
+/// before its FP8 and FP4 products) on the device: its SwiGLU blocks run
+/// whole and its lists of products go together, the device making those
+/// activations (`bs_cu_round_fp8sim`); the CPU's greedy choices, logits
+/// within 1e-3 of the CPU's own `--numerics deepseek`.
+#[test]
+fn deepseek_numerics_run_whole_on_the_device() {
+    let flags = ["--numerics", "deepseek"];
+    let (ok, cpu, err) = score_last("tiny-dsv4", &flags, &[("BESPOKE_CUDA", "off")]);
+    assert!(ok, "{err}");
+    let mut envs = vec![("emulator", vec![("BESPOKE_CUDA", "emu")])];
+    if gpu_or_reason().is_some() {
+        envs.push(("GPU", vec![]));
+    }
+    for (dev, env) in envs {
+        let (ok, out, err) =
+            score_last("tiny-dsv4", &[&flags[..], &["--vram", "4"]].concat(), &env);
+        assert!(ok && !err.contains("failed"), "{dev}: {err}");
+        let work = err
+            .lines()
+            .find_map(|l| l.strip_prefix("CUDA: ran on the GPU: "))
+            .unwrap_or_default();
+        let count = |what: &str| -> u64 {
+            let end = work.find(what).unwrap_or(0);
+            work[..end]
+                .rsplit(' ')
+                .next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        assert!(
+            count(" SwiGLU blocks whole") > 0 && count(" batches of products") > 0,
+            "{dev}: {err}"
+        );
+        let ((a, lc), (b, lg)) = (last_logits(&cpu), last_logits(&out));
+        let dist = largest_difference(&lc, &lg);
+        assert_eq!(a, b, "{dev}: greedy choices");
+        assert!(dist < 1e-3, "{dev}: logits moved by {dist}");
+        println!("tiny-dsv4 --numerics deepseek on the {dev}: {work}; logits within {dist:.1e}");
+    }
 }
 
 /// The largest |a_i - b_i|.

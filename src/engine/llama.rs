@@ -797,7 +797,7 @@ impl crate::gpu::MoeHost for GpuRouting<'_, '_> {
                 u.matrix().map_err(|e| e.to_string())?,
                 dn.matrix().map_err(|e| e.to_string())?,
             );
-            let mats = k.ffn_mats([&g, &u, &dn], tokens.len());
+            let mats = k.ffn_mats([&g, &u, &dn], tokens.len(), false);
             out.push(crate::gpu::RoutedExpert {
                 expert: e,
                 tokens,

@@ -124,7 +124,7 @@ pub fn add_routed_experts(
         out[..n * d].iter_mut().zip(y).for_each(|(o, v)| *o += v);
     };
     #[cfg(feature = "cuda")]
-    if !act_quant && k.tier() != 0 {
+    if k.tier() != 0 {
         let active: Vec<usize> = (0..chosen.len())
             .filter(|&e| !chosen[e].is_empty())
             .collect();
@@ -134,7 +134,7 @@ pub fn add_routed_experts(
         for (i, &e) in active.iter().enumerate() {
             let [g, u, dn] = &experts[e];
             let (g, u, dn) = (g.matrix()?, u.matrix()?, dn.matrix()?);
-            if let Some(m) = k.ffn_mats([&g, &u, &dn], chosen[e].len()) {
+            if let Some(m) = k.ffn_mats([&g, &u, &dn], chosen[e].len(), act_quant) {
                 mats.push(m);
                 on_gpu[i] = true;
             }
@@ -143,7 +143,7 @@ pub fn add_routed_experts(
             Some(sh) => {
                 let [g, u, dn] = sh.mats;
                 let (g, u, dn) = (g.matrix()?, u.matrix()?, dn.matrix()?);
-                k.ffn_mats([&g, &u, &dn], n)
+                k.ffn_mats([&g, &u, &dn], n, act_quant)
             }
             None => None,
         };
@@ -189,13 +189,21 @@ pub fn add_routed_experts(
                 let e = active[i];
                 let [g, u, dn] = &experts[e];
                 ys[i] = vec![0.0; chosen[e].len() * d];
-                swiglu_products(k, [g, u, dn], x, chosen[e].len(), limit, false, &mut ys[i])
+                swiglu_products(
+                    k,
+                    [g, u, dn],
+                    x,
+                    chosen[e].len(),
+                    limit,
+                    act_quant,
+                    &mut ys[i],
+                )
             };
             let shared_cpu = |y: &mut Vec<f32>| -> Result<(), EngineError> {
                 if let Some(sh) = &shared {
                     let [g, u, dn] = sh.mats;
                     *y = vec![0.0; n * d];
-                    swiglu_products(k, [g, u, dn], x, n, sh.limit, false, y)?;
+                    swiglu_products(k, [g, u, dn], x, n, sh.limit, act_quant, y)?;
                 }
                 Ok(())
             };
@@ -490,6 +498,19 @@ impl<'m> Mat<'m> {
     ) -> Result<(), KernelError> {
         let fits = mats.len() == ys.len() && (xs.len() == 1 || xs.len() == mats.len());
         if act_quant && fits && mats.iter().any(|m| m.quantized()) {
+            // Queued together on the GPU, the device making DeepSeek's
+            // activations, where it can; else product by product.
+            #[cfg(feature = "cuda")]
+            if mats.len() > 1 {
+                let ms = mats
+                    .iter()
+                    .map(|m| m.matrix())
+                    .collect::<Result<Vec<_>, _>>()?;
+                let refs: Vec<&Matrix> = ms.iter().collect();
+                if k.gpu_list(&refs, xs, n, ys, true) {
+                    return Ok(());
+                }
+            }
             for (i, (m, y)) in mats.iter().zip(ys.iter_mut()).enumerate() {
                 m.apply_q(k, xs[if xs.len() == 1 { 0 } else { i }], n, y, true)?;
             }
@@ -626,10 +647,10 @@ pub fn swiglu(
     out: &mut [f32],
 ) -> Result<(), EngineError> {
     #[cfg(feature = "cuda")]
-    if !act_quant && k.tier() != 0 {
+    if k.tier() != 0 {
         let [g, u, d] = mats;
         let (g, u, d) = (g.matrix()?, u.matrix()?, d.matrix()?);
-        if let Some(mats) = k.ffn_mats([&g, &u, &d], n) {
+        if let Some(mats) = k.ffn_mats([&g, &u, &d], n, act_quant) {
             let job = crate::gpu::FfnJob { mats, x, n, limit };
             let rows = d.rows();
             match crate::gpu::tier::ffn_start(&[job])
