@@ -25,6 +25,18 @@ pub struct CheckMatrix {
     scale: Vec<u8>,
 }
 
+/// SplitMix64 from `seed`: 64 random bits a call, the same on every
+/// platform (what [`CheckMatrix::random`] draws from in the start-up check).
+pub fn splitmix64(mut seed: u64) -> impl FnMut() -> u64 {
+    move || {
+        seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = seed;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
 /// A value uniform in [-1, 1) from the top 24 bits of `u`.
 pub fn unit(u: u64) -> f32 {
     (u >> 40) as f32 / (1u64 << 23) as f32 - 1.0
@@ -148,20 +160,9 @@ pub fn compare(got: &[f32], want: &[f32], mag: &[f32], rel: f64) -> Result<f64, 
 mod tests {
     use super::*;
 
-    fn rng(seed: u64) -> impl FnMut() -> u64 {
-        let mut s = seed;
-        move || {
-            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-    }
-
     #[test]
     fn the_reference_passes_and_a_wrong_output_is_named() {
-        let mut next = rng(3);
+        let mut next = splitmix64(3);
         for f in [Format::F32, Format::Bf16, Format::Fp8, Format::Fp4] {
             let o = CheckMatrix::random(f, 130, 256, &mut next);
             let m = o.matrix().unwrap();

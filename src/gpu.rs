@@ -2012,15 +2012,8 @@ mod imp {
         /// each did, and how many launches ran. Err: a CUDA-core product or
         /// attention failed (the device is not used).
         fn startup_check(&self) -> Result<(TcOff, usize), String> {
-            use crate::devcheck::{compare, core_rel, magnitudes, unit, CheckMatrix};
-            let mut seed = 0x5EED_u64;
-            let mut next = move || {
-                seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                let mut z = seed;
-                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                z ^ (z >> 31)
-            };
+            use crate::devcheck::{compare, core_rel, magnitudes, splitmix64, unit, CheckMatrix};
+            let mut next = splitmix64(0x5EED);
             let (rows, cols, nmax) = (136usize, 256usize, 11usize);
             let x: Vec<f32> = (0..nmax * cols).map(|_| unit(next()) * 4.0).collect();
             let xd = self.htod(&x, "copying the check's activations")?;
@@ -3613,6 +3606,12 @@ pub fn release_tier(id: u32) {
     let _ = id;
 }
 
+/// What a tensor-core path the start-up check turned off is said as.
+#[cfg(feature = "cuda")]
+fn tc_off_note(key: &str, why: &str) -> String {
+    format!("tensor-core path {key} off, its products on the CUDA cores: the start-up check found {why}")
+}
+
 /// One line for banners and `bespoke plan`: the device in use, or why the
 /// engine runs on the CPU.
 pub fn status_line() -> String {
@@ -3639,9 +3638,7 @@ pub fn status_line() -> String {
                     g.checked
                 );
                 for (key, why) in &g.tc_off {
-                    line += &format!(
-                        "; tensor-core path {key} off, its products on the CUDA cores: the start-up check found {why}"
-                    );
+                    line += &format!("; {}", tc_off_note(key, why));
                 }
                 line
             }
@@ -3963,9 +3960,7 @@ pub fn place_model(
             p.experts.1
         );
         for (key, why) in &g.tc_off {
-            line += &format!(
-                "\nCUDA: tensor-core path {key} off, its products on the CUDA cores: the start-up check found {why}"
-            );
+            line += &format!("\nCUDA: {}", tc_off_note(key, why));
         }
         Ok(Some(line))
     }

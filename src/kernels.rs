@@ -1765,10 +1765,9 @@ impl Kernels {
 
     /// `ys[i] = ms[i] · X` (`n` tokens) where `xs` holds one X that every
     /// matrix takes (q, k and v) or one X a matrix. With a VRAM tier holding
-    /// every one of them, each taking f32 activations here, they run on the
-    /// GPU queued together: each X uploaded once, one wait for all
-    /// (`gpu::tier::products`); else (or if that fails, said once) each as
-    /// [`Kernels::matmul`] runs it.
+    /// every one of them they run on the GPU queued together, each with its
+    /// activations (`Kernels::gpu_list`); else (or if that fails, said
+    /// once) each as [`Kernels::matmul`] runs it.
     pub fn matmul_list(
         &self,
         ms: &[&Matrix],
